@@ -1,0 +1,16 @@
+"""modelzoo: pretrained ResNeSt, BERT and GNN models behind one registry.
+
+>>> from modelzoo import get_model, list_models
+>>> list_models("resnest5*")  # doctest: +SKIP
+"""
+
+from .registry import get_model, get_weights, list_models, register_model
+from .store import purge
+from .weights import Weights
+
+# Importing the families registers their builders.
+from .vision import resnest  # noqa: F401  (registration side effect)
+
+__version__ = "0.1.0"
+
+__all__ = ["Weights", "__version__", "get_model", "get_weights", "list_models", "purge", "register_model"]

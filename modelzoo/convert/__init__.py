@@ -1,0 +1,1 @@
+"""Readers and converters for foreign checkpoints (MXNet .params, GluonCV, Hugging Face)."""

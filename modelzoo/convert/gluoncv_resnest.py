@@ -1,0 +1,203 @@
+"""GluonCV ResNeSt parameters -> our ResNeSt state dict (official PyTorch ResNeSt names).
+
+GluonCV's published ResNeSt files (``{name}-{sha1[:8]}.params``) were saved with
+``collect_params().save()``, so their names are Gluon's flat, creation-order names rather than
+module paths. The rules below are derived from how ``gluoncv.model_zoo.resnest`` builds the
+network (``name_prefix="resnest_"``; its blocks create their children without a name scope of
+their own, so each stage's counters run across all of its blocks):
+
+==========================================  ==============================================
+GluonCV name (after the prefix)             ours
+==========================================  ==============================================
+``conv0`` / ``conv1`` / ``conv2``           ``conv1.0`` / ``conv1.3`` / ``conv1.6`` (deep stem)
+``batchnorm0`` / ``batchnorm1``             ``conv1.1`` / ``conv1.4``
+``batchnorm2``                              ``bn1``
+``conv0``, ``batchnorm0`` (no deep stem)    ``conv1``, ``bn1``
+``layers{i}_conv{5j+0..4}``                 ``layer{i}.{j}.`` ``conv1``, ``conv2.conv``,
+                                            ``conv2.fc1``, ``conv2.fc2``, ``conv3``
+``layers{i}_batchnorm{4j+0..3}``            ``layer{i}.{j}.`` ``bn1``, ``conv2.bn0``,
+                                            ``conv2.bn1``, ``bn3``
+``down{i}_conv0`` / ``down{i}_batchnorm0``  ``layer{i}.0.downsample.1`` / ``.2`` (avg_down;
+                                            ``.0`` / ``.1`` without it)
+``dense0``                                  ``fc``
+==========================================  ==============================================
+
+and per parameter ``gamma -> weight``, ``beta -> bias``; ``weight``, ``bias``,
+``running_mean`` and ``running_var`` keep their names. Files written by Gluon's newer
+``save_parameters`` carry structural names (``layer1.0.conv2.bn.gamma``); those are accepted
+too (``conv2.bn`` is our ``conv2.bn0``). Array layouts are the same in both frameworks (conv
+``(out, in / groups, kh, kw)``, dense ``(out, in)``), so values are copied unchanged.
+BatchNorm's ``num_batches_tracked`` buffers, which MXNet does not have, are set to 0.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["convert_gluoncv_resnest", "gluoncv_resnest_key_map"]
+
+_FLAT = re.compile(
+    r"^(?P<prefix>.*?)(?:(?P<scope>layers|down)(?P<stage>\d+)_)?"
+    r"(?P<kind>conv|batchnorm|dense)(?P<index>\d+)_"
+    r"(?P<param>weight|bias|gamma|beta|running_mean|running_var)$"
+)
+_PARAM = {
+    "weight": "weight",
+    "bias": "bias",
+    "gamma": "weight",
+    "beta": "bias",
+    "running_mean": "running_mean",
+    "running_var": "running_var",
+}
+_BLOCK_CONVS = ("conv1", "conv2.conv", "conv2.fc1", "conv2.fc2", "conv3")
+_BLOCK_BNS = ("bn1", "conv2.bn0", "conv2.bn1", "bn3")
+
+
+def _flat_target(match: re.Match[str], deep_stem: bool, avg_down: bool) -> str | None:
+    scope, kind, index = match["scope"], match["kind"], int(match["index"])
+    param = _PARAM[match["param"]]
+    if scope == "layers":
+        if kind == "conv":
+            block, role = divmod(index, len(_BLOCK_CONVS))
+            return f"layer{match['stage']}.{block}.{_BLOCK_CONVS[role]}.{param}"
+        if kind == "batchnorm":
+            block, role = divmod(index, len(_BLOCK_BNS))
+            return f"layer{match['stage']}.{block}.{_BLOCK_BNS[role]}.{param}"
+        return None
+    if scope == "down":
+        if index != 0 or kind == "dense":
+            return None
+        position = (1 if avg_down else 0) + (kind == "batchnorm")
+        return f"layer{match['stage']}.0.downsample.{position}.{param}"
+    if kind == "dense":
+        return f"fc.{param}" if index == 0 else None
+    if deep_stem:
+        stem = {("conv", 0): "conv1.0", ("conv", 1): "conv1.3", ("conv", 2): "conv1.6"}
+        stem |= {("batchnorm", 0): "conv1.1", ("batchnorm", 1): "conv1.4"}
+        stem |= {("batchnorm", 2): "bn1"}
+    else:
+        stem = {("conv", 0): "conv1", ("batchnorm", 0): "bn1"}
+    module = stem.get((kind, index))
+    return f"{module}.{param}" if module else None
+
+
+def _structural_target(name: str) -> str:
+    module, _, param = name.rpartition(".")
+    module = re.sub(r"(^|\.)conv2\.bn$", r"\1conv2.bn0", module)
+    return f"{module}.{_PARAM.get(param, param)}"
+
+
+def gluoncv_resnest_key_map(
+    names: list[str], target_keys: list[str] | Mapping[str, object]
+) -> dict[str, str | None]:
+    """Maps each GluonCV parameter name to our key (``None`` where no rule applies).
+
+    Args:
+        names: GluonCV names, flat (``resnest_layers1_conv0_weight``) or structural
+            (``layer1.0.conv1.weight``).
+        target_keys: Our model's state-dict keys; they tell deep stem and avg_down apart.
+
+    Raises:
+        ValueError: Flat names that do not share one prefix.
+    """
+    target = set(target_keys)
+    if names and all("." in n for n in names):
+        return {n: _structural_target(n) for n in names}
+    deep_stem = "conv1.0.weight" in target
+    avg_down = any(re.fullmatch(r"layer\d+\.0\.downsample\.2\.weight", k) for k in target)
+    out: dict[str, str | None] = {}
+    prefixes = set()
+    for name in names:
+        match = _FLAT.match(name)
+        if match is None:
+            out[name] = None
+            continue
+        prefixes.add(match["prefix"])
+        out[name] = _flat_target(match, deep_stem, avg_down)
+    if len(prefixes) > 1:
+        raise ValueError(
+            f"GluonCV ResNeSt names use several prefixes {sorted(prefixes)}; expected one "
+            "network's parameters (e.g. all starting with 'resnest_')"
+        )
+    return out
+
+
+def _listing(items: list[str], limit: int = 12) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
+def convert_gluoncv_resnest(
+    params: Mapping[str, np.ndarray], model: nn.Module
+) -> dict[str, torch.Tensor]:
+    """Converts GluonCV ResNeSt parameters into a state dict for ``model``.
+
+    Args:
+        params: GluonCV name -> array, e.g. from
+            :func:`modelzoo.convert.mxnet.load_mxnet_params`.
+        model: The target :class:`modelzoo.vision.resnest.ResNeSt` (any device, including
+            ``meta``); it supplies the keys, their order and shapes.
+
+    Returns:
+        A state dict in ``model.state_dict()`` key order, ready for
+        ``model.load_state_dict(state, strict=True)``.
+
+    Raises:
+        ValueError: Names no rule maps, names mapped twice, model keys left without a value, or
+            shapes that disagree; every offending name is listed (the weights are for another
+            architecture, e.g. another depth or radix).
+
+    Example:
+        >>> from modelzoo.convert.mxnet import load_mxnet_params
+        >>> model = get_model("resnest50")  # doctest: +SKIP
+        >>> state = convert_gluoncv_resnest(load_mxnet_params(path), model)  # doctest: +SKIP
+        >>> model.load_state_dict(state)  # doctest: +SKIP
+    """
+    target = model.state_dict()
+    key_map = gluoncv_resnest_key_map(list(params), target)
+    unmapped = [n for n, k in key_map.items() if k is None or k not in target]
+    sources: dict[str, str] = {}
+    duplicated = []
+    for name, key in key_map.items():
+        if key is None or key not in target:
+            continue
+        if key in sources:
+            duplicated.append(f"{sources[key]} and {name} -> {key}")
+        sources[key] = name
+    missing = [k for k in target if k not in sources and not k.endswith("num_batches_tracked")]
+    mismatched = [
+        f"{name} {tuple(params[name].shape)} -> {key} {tuple(target[key].shape)}"
+        for key, name in sources.items()
+        if tuple(params[name].shape) != tuple(target[key].shape)
+    ]
+    problems = []
+    if unmapped:
+        problems.append(f"GluonCV names with no counterpart in the model: {_listing(unmapped)}")
+    if duplicated:
+        problems.append(f"mapped twice: {_listing(duplicated)}")
+    if missing:
+        problems.append(f"model keys the file does not provide: {_listing(missing)}")
+    if mismatched:
+        problems.append(f"shape mismatches: {_listing(mismatched)}")
+    if problems:
+        raise ValueError(
+            f"GluonCV ResNeSt parameters ({len(params)} arrays) do not fit "
+            f"{type(model).__name__} ({len(target)} keys): "
+            + "; ".join(problems)
+            + ". Check that the weights are for this variant (depth, radix, cardinality, width)."
+        )
+    state: dict[str, torch.Tensor] = {}
+    for key, value in target.items():
+        if key in sources:
+            array = np.ascontiguousarray(params[sources[key]])
+            if not array.flags.writeable:  # torch.from_numpy needs a writable array
+                array = array.copy()
+            state[key] = torch.from_numpy(array)
+        else:  # num_batches_tracked: MXNet keeps no such counter
+            state[key] = torch.zeros((), dtype=value.dtype)
+    return state

@@ -1,0 +1,211 @@
+"""The model registry: name -> builder and its published weights.
+
+Builders register themselves with :func:`register_model` next to their definition; the
+registry is the single source for :func:`list_models`, the docs tables and the
+parametrized tests. Names are case-insensitive; registering a name twice raises.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from torch import nn
+
+from .weights import Weights
+
+__all__ = [
+    "ModelEntry",
+    "get_model",
+    "get_model_entry",
+    "get_weights",
+    "list_models",
+    "load_pretrained",
+    "register_model",
+]
+
+Builder = TypeVar("Builder", bound=Callable[..., nn.Module])
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A registered model: its builder, its weights by tag and the default tag."""
+
+    name: str
+    builder: Callable[..., nn.Module]
+    weights: Mapping[str, Weights]
+    default_tag: str | None
+
+
+_REGISTRY: dict[str, ModelEntry] = {}
+
+
+def register_model(
+    fn: Builder | None = None,
+    *,
+    name: str | None = None,
+    weights: Mapping[str, Weights] | None = None,
+    default_tag: str | None = None,
+) -> Any:
+    """Registers a model builder under its function name (or ``name``).
+
+    Usable bare (``@register_model``) or with arguments
+    (``@register_model(weights={"official": Weights(...)})``). The first weights tag is the
+    default unless ``default_tag`` names another.
+
+    Raises:
+        ValueError: The name is already registered, or ``default_tag`` is not a weights tag.
+    """
+
+    def decorator(builder: Builder) -> Builder:
+        key = (name or builder.__name__).lower()
+        if key in _REGISTRY:
+            existing = _REGISTRY[key].builder
+            raise ValueError(
+                f"register_model: model name {key!r} is already registered by "
+                f"{existing.__module__}.{existing.__qualname__}; pick another name"
+            )
+        tags = dict(weights or {})
+        tag = default_tag if default_tag is not None else next(iter(tags), None)
+        if tag is not None and tag not in tags:
+            raise ValueError(
+                f"register_model({key!r}): default_tag {tag!r} is not one of {list(tags)}"
+            )
+        _REGISTRY[key] = ModelEntry(name=key, builder=builder, weights=tags, default_tag=tag)
+        return builder
+
+    if fn is not None:
+        return decorator(fn)
+    return decorator
+
+
+def get_model_entry(name: str) -> ModelEntry:
+    """The registry entry for ``name`` (case-insensitive).
+
+    Raises:
+        ValueError: Unknown name; the message lists the closest registered names.
+    """
+    key = name.lower()
+    if key not in _REGISTRY:
+        close = difflib.get_close_matches(key, list(_REGISTRY), n=5, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(
+            f"Unknown model {name!r}{hint} (modelzoo.list_models() lists all {len(_REGISTRY)})"
+        )
+    return _REGISTRY[key]
+
+
+def list_models(pattern: str | None = None, pretrained: bool | None = None) -> list[str]:
+    """Sorted registered names, optionally filtered.
+
+    Args:
+        pattern: A shell-style wildcard, case-insensitive (``"resnest*"``).
+        pretrained: ``True`` keeps models with published weights, ``False`` those without.
+    """
+    names = sorted(_REGISTRY)
+    if pattern is not None:
+        names = [n for n in names if fnmatch.fnmatchcase(n, pattern.lower())]
+    if pretrained is not None:
+        names = [n for n in names if bool(_REGISTRY[n].weights) == pretrained]
+    return names
+
+
+def get_weights(name: str, tag: str | bool = True) -> Weights:
+    """The :class:`Weights` of model ``name`` for ``tag`` (``True``: the default tag)."""
+    entry = get_model_entry(name)
+    if not entry.weights:
+        raise ValueError(f"Model {entry.name!r} has no pretrained weights; use pretrained=False")
+    key = entry.default_tag if tag is True else tag
+    if key not in entry.weights:
+        raise ValueError(
+            f"Model {entry.name!r} has no weights tagged {tag!r}; available: {sorted(entry.weights)}"
+        )
+    return entry.weights[key]
+
+
+def load_pretrained(
+    model: nn.Module, weights: Weights, *, progress: bool = True, strict_classifier: bool = True
+) -> nn.Module:
+    """Downloads (or finds in the cache) ``weights`` and loads them into ``model``.
+
+    With ``strict_classifier=False`` the checkpoint's classifier (``weights.classifier``) is
+    not loaded and the model keeps its freshly initialized one; everything else must match
+    exactly.
+    """
+    from . import store  # the only module that touches the network
+    from .convert.load import read_state_dict
+
+    path = store.fetch(
+        weights.url,
+        file_name=weights.file_name,
+        hash_prefix=weights.hash_prefix,
+        hash_algo=weights.hash_algo,
+        archive_member=weights.archive_member,
+        progress=progress,
+    )
+    state = read_state_dict(path, weights.file_format)
+    if weights.convert is not None:
+        state = weights.convert(state, model)
+    if strict_classifier:
+        model.load_state_dict(state, strict=True)
+        return model
+    prefix = weights.classifier + "."
+    state = {k: v for k, v in state.items() if not k.startswith(prefix)}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    wrong = [k for k in missing if not k.startswith(prefix)]
+    if wrong or unexpected:
+        raise RuntimeError(
+            f"Weights {weights.file_name} do not fit the model: missing {wrong}, unexpected {unexpected}"
+        )
+    return model
+
+
+def get_model(
+    name: str,
+    *,
+    pretrained: bool | str = False,
+    num_classes: int | None = None,
+    progress: bool = True,
+    **overrides: Any,
+) -> nn.Module:
+    """Builds a registered model, optionally with published weights.
+
+    Args:
+        name: A registered name (case-insensitive), see :func:`list_models`.
+        pretrained: ``False``, ``True`` (the default weights) or a weights tag such as
+            ``"gluoncv"``.
+        num_classes: Classifier outputs. With pretrained weights for a different number of
+            classes, everything but the classifier is loaded and the classifier is freshly
+            initialized (GluonCV's ``reset_class``); a warning says so.
+        progress: Show a download progress bar (only on a terminal).
+        **overrides: Builder options, e.g. ``dropblock_prob=0.1`` or ``final_drop=0.2``.
+
+    Returns:
+        The model, in training mode.
+
+    Example:
+        >>> net = get_model("resnest50", pretrained=True)  # doctest: +SKIP
+    """
+    entry = get_model_entry(name)
+    if pretrained is False:
+        kwargs = dict(overrides)
+        if num_classes is not None:
+            kwargs["num_classes"] = num_classes
+        return entry.builder(**kwargs)
+    weights = get_weights(entry.name, pretrained)
+    classes = weights.num_classes if num_classes is None else num_classes
+    model = entry.builder(num_classes=classes, **overrides)
+    if classes != weights.num_classes:
+        warnings.warn(
+            f"{entry.name}: the pretrained weights have {weights.num_classes} classes, "
+            f"you asked for {classes}; loading everything except the classifier "
+            f"'{weights.classifier}', which is freshly initialized",
+            UserWarning,
+            stacklevel=2,
+        )
+        return load_pretrained(model, weights, progress=progress, strict_classifier=False)
+    return load_pretrained(model, weights, progress=progress)

@@ -1,0 +1,468 @@
+"""Download, cache and verify pretrained weight files.
+
+This is the only module of :mod:`modelzoo` that touches the network. It follows the
+behaviour users trust in GluonCV's ``model_store``, rebuilt on :mod:`urllib`:
+
+* Files live in ``weights_dir()`` (``$MODELZOO_HOME/weights``, default
+  ``~/.cache/modelzoo/weights``).
+* ``$MODELZOO_REPO_URL`` replaces the download base with a mirror that serves the same
+  file names; ``MODELZOO_OFFLINE=1`` never touches the network.
+* A download streams into a temporary file in the destination directory, is hashed while
+  it streams, verified against the published hash prefix and only then renamed into
+  place with :func:`os.replace`, under a :class:`filelock.FileLock` so that many processes
+  on one host download a file once.
+* A cached file that fails its hash is deleted and downloaded again once; a second
+  failure raises :class:`ChecksumError` and leaves no file behind.
+
+Example:
+    >>> from modelzoo import store
+    >>> path = store.fetch(  # doctest: +SKIP
+    ...     "https://example.org/resnest50-0123abcd.pth",
+    ...     file_name="resnest50-0123abcd.pth",
+    ...     hash_prefix="0123abcd",
+    ... )
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import hashlib
+import http.client
+import os
+import pathlib
+import posixpath
+import sys
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+import warnings
+import zipfile
+from typing import BinaryIO
+
+from filelock import FileLock
+from tqdm import tqdm
+
+__all__ = [
+    "ChecksumError",
+    "DownloadError",
+    "cache_root",
+    "fetch",
+    "file_hash",
+    "purge",
+    "resolve_url",
+    "weights_dir",
+]
+
+ENV_HOME = "MODELZOO_HOME"
+ENV_REPO_URL = "MODELZOO_REPO_URL"
+ENV_OFFLINE = "MODELZOO_OFFLINE"
+
+#: Hash algorithms that publishers use: GluonCV publishes sha1 prefixes, the official
+#: ResNeSt release and this project sha256 prefixes.
+HASH_ALGOS = ("sha256", "sha1")
+#: Shortest accepted hash prefix; publishers use 8 hex characters.
+MIN_HASH_PREFIX = 8
+
+_CHUNK_SIZE = 1 << 20
+_LOCK_SUFFIX = ".lock"
+_PART_SUFFIX = ".part"
+_USER_AGENT = "modelzoo-store/0.1 (+urllib)"
+_TRUTHY = frozenset({"1", "true", "yes", "on"})
+
+
+class DownloadError(RuntimeError):
+    """A file could not be downloaded (HTTP status, refused connection, timeout, bad archive)."""
+
+
+class ChecksumError(RuntimeError):
+    """A downloaded file does not match its published hash."""
+
+
+def cache_root() -> pathlib.Path:
+    """Return the cache root: ``$MODELZOO_HOME`` or ``~/.cache/modelzoo``.
+
+    The environment is read at call time, so tests and users can change it at runtime.
+    """
+    home = os.environ.get(ENV_HOME)
+    if home:
+        return pathlib.Path(home).expanduser()
+    return pathlib.Path.home() / ".cache" / "modelzoo"
+
+
+def weights_dir() -> pathlib.Path:
+    """Return the directory that holds downloaded weight files: ``cache_root() / "weights"``."""
+    return cache_root() / "weights"
+
+
+def resolve_url(url: str) -> str:
+    """Apply the ``$MODELZOO_REPO_URL`` mirror override to ``url``.
+
+    Args:
+        url: The published download URL.
+
+    Returns:
+        ``MODELZOO_REPO_URL.rstrip("/") + "/" + <file name of url>`` when the variable is
+        set, otherwise ``url`` unchanged.
+    """
+    base = os.environ.get(ENV_REPO_URL)
+    if not base:
+        return url
+    name = posixpath.basename(urllib.parse.urlsplit(url).path)
+    if not name:
+        raise ValueError(
+            f"Cannot apply {ENV_REPO_URL}={base!r} to {url!r}: the URL has no file name to "
+            "append to the mirror base. Use a URL that ends in the file name."
+        )
+    return base.rstrip("/") + "/" + name
+
+
+def file_hash(path: str | os.PathLike[str], algo: str = "sha256") -> str:
+    """Return the hex digest of a file, read in chunks.
+
+    Args:
+        path: File to hash.
+        algo: ``"sha256"`` or ``"sha1"``.
+
+    Returns:
+        The full lower-case hex digest.
+    """
+    _check_algo(algo)
+    digest = hashlib.new(algo)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_SIZE):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch(
+    url: str,
+    *,
+    file_name: str,
+    hash_prefix: str,
+    hash_algo: str = "sha256",
+    archive_member: str | None = None,
+    progress: bool = True,
+    timeout: float = 60.0,
+) -> pathlib.Path:
+    """Return the local path of a verified weight file, downloading it if needed.
+
+    Args:
+        url: Where the file is published (``http(s)://`` or ``file://``). With
+            ``$MODELZOO_REPO_URL`` set, the file name of the URL is fetched from the mirror.
+        file_name: Name of the file in :func:`weights_dir` (no directories).
+        hash_prefix: Full hex digest, or a prefix of at least 8 hex characters, of the file
+            (of ``archive_member`` when given).
+        hash_algo: ``"sha256"`` or ``"sha1"``.
+        archive_member: When set, ``url`` is a ``.zip`` archive and only this member is
+            extracted to ``file_name`` (GluonCV publishes ``{name}-{hash8}.zip`` holding
+            ``{name}-{hash8}.params``); the hash is checked on the member.
+        progress: Show a tqdm bar on stderr (only when stderr is a terminal).
+        timeout: Seconds to wait for the connection and for each read.
+
+    Returns:
+        ``weights_dir() / file_name``, whose hash starts with ``hash_prefix``.
+
+    Raises:
+        ValueError: An argument is malformed.
+        FileNotFoundError: ``MODELZOO_OFFLINE=1`` and the file is missing or corrupt.
+        DownloadError: The file could not be downloaded, or the archive is unusable.
+        ChecksumError: The downloaded file does not match ``hash_prefix``.
+    """
+    prefix = _check_hash_args(hash_prefix, hash_algo)
+    _check_file_name(file_name, "file_name")
+    if archive_member is not None:
+        _check_member_name(archive_member)
+    dest = weights_dir() / file_name
+    url = resolve_url(url)
+
+    if _is_offline():
+        return _fetch_offline(url, dest, prefix, hash_algo)
+    if dest.is_file() and file_hash(dest, hash_algo).startswith(prefix):
+        return dest
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(dest) + _LOCK_SUFFIX):
+        # Another process may have finished the download while this one waited.
+        if dest.is_file():
+            actual = file_hash(dest, hash_algo)
+            if actual.startswith(prefix):
+                return dest
+            warnings.warn(
+                f"Cached file {dest} has {hash_algo} {actual}, which does not start with the "
+                f"expected {prefix}; deleting it and downloading it again from {url}.",
+                stacklevel=2,
+            )
+            dest.unlink()
+        _download(
+            url,
+            dest,
+            prefix=prefix,
+            algo=hash_algo,
+            archive_member=archive_member,
+            progress=progress,
+            timeout=timeout,
+        )
+    return dest
+
+
+def purge(pattern: str | None = None) -> list[pathlib.Path]:
+    """Delete cached weight files whose names match a glob pattern.
+
+    Lock files and the temporary files of downloads in progress are left alone. Each file
+    is deleted while holding its download lock, so a concurrent :func:`fetch` of the same
+    file either finishes first or starts afresh.
+
+    Args:
+        pattern: A :mod:`fnmatch` glob on file names (``"resnest50-*"``); ``None`` deletes
+            every cached weight file.
+
+    Returns:
+        The deleted paths, sorted.
+    """
+    root = weights_dir()
+    if not root.is_dir():
+        return []
+    removed = []
+    for path in sorted(root.iterdir()):
+        name = path.name
+        if name.endswith((_LOCK_SUFFIX, _PART_SUFFIX)) or not path.is_file():
+            continue
+        if pattern is not None and not fnmatch.fnmatchcase(name, pattern):
+            continue
+        with FileLock(str(path) + _LOCK_SUFFIX), contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_algo(algo: str) -> None:
+    if algo not in HASH_ALGOS:
+        raise ValueError(
+            f"Unsupported hash_algo {algo!r}; use one of {', '.join(HASH_ALGOS)} "
+            "(GluonCV publishes sha1 prefixes, ResNeSt and modelzoo sha256)."
+        )
+
+
+def _check_hash_args(hash_prefix: str, hash_algo: str) -> str:
+    _check_algo(hash_algo)
+    full = hashlib.new(hash_algo).digest_size * 2
+    prefix = hash_prefix.lower() if isinstance(hash_prefix, str) else hash_prefix
+    if (
+        not isinstance(prefix, str)
+        or not MIN_HASH_PREFIX <= len(prefix) <= full
+        or any(c not in "0123456789abcdef" for c in prefix)
+    ):
+        raise ValueError(
+            f"hash_prefix {hash_prefix!r} is not a {hash_algo} hex digest or prefix: give "
+            f"{MIN_HASH_PREFIX} to {full} hex characters (e.g. the 8 in 'name-0123abcd.pth')."
+        )
+    return prefix
+
+
+def _check_file_name(name: str, what: str) -> None:
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(
+            f"{what} {name!r} must be a plain file name without directories, "
+            "e.g. 'resnest50-0123abcd.pth'."
+        )
+
+
+def _is_unsafe_member(name: str) -> bool:
+    normalized = name.replace("\\", "/")
+    return (
+        normalized.startswith("/")
+        or (len(normalized) > 1 and normalized[1] == ":")  # Windows drive, e.g. "C:/x"
+        or ".." in normalized.split("/")
+    )
+
+
+def _check_member_name(name: str) -> None:
+    if not name or _is_unsafe_member(name):
+        raise ValueError(
+            f"archive_member {name!r} must be a relative path inside the archive without "
+            "'..', e.g. 'resnet50_v1b-0ecdba34.params'."
+        )
+
+
+def _is_offline() -> bool:
+    return os.environ.get(ENV_OFFLINE, "").strip().lower() in _TRUTHY
+
+
+# ----------------------------------------------------------------------------- offline
+
+
+def _fetch_offline(url: str, dest: pathlib.Path, prefix: str, algo: str) -> pathlib.Path:
+    if not dest.is_file():
+        raise FileNotFoundError(
+            f"{ENV_OFFLINE} is set and the weight file {dest.name} is not cached. Download "
+            f"{url} by hand and place it at {dest} (or unset {ENV_OFFLINE})."
+        )
+    actual = file_hash(dest, algo)
+    if not actual.startswith(prefix):
+        raise FileNotFoundError(
+            f"{ENV_OFFLINE} is set and the cached weight file {dest.name} is corrupt: "
+            f"{dest} has {algo} {actual}, expected a digest starting with {prefix}. Download "
+            f"{url} by hand and place it at {dest} (or unset {ENV_OFFLINE})."
+        )
+    return dest
+
+
+# ---------------------------------------------------------------------------- download
+
+
+def _download_error(url: str, dest: pathlib.Path, reason: str) -> DownloadError:
+    return DownloadError(
+        f"Could not download {url}: {reason}. Check the URL and your connection, set "
+        f"{ENV_REPO_URL} to a mirror that serves {dest.name}, or place the file by hand at "
+        f"{dest} (and set {ENV_OFFLINE}=1 to never touch the network)."
+    )
+
+
+def _temp_file(dest: pathlib.Path, suffix: str) -> BinaryIO:
+    # Same directory as dest, so os.replace is an atomic rename on one filesystem.
+    return tempfile.NamedTemporaryFile(
+        mode="wb", dir=dest.parent, prefix=f".{dest.name}.", suffix=suffix, delete=False
+    )
+
+
+def _unlink(path: str | None) -> None:
+    if path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _download(
+    url: str,
+    dest: pathlib.Path,
+    *,
+    prefix: str,
+    algo: str,
+    archive_member: str | None,
+    progress: bool,
+    timeout: float,
+) -> None:
+    """Download ``url`` (or its ``archive_member``) to ``dest`` via a verified temp file."""
+    tmp_path = zip_path = None
+    try:
+        with _temp_file(dest, _PART_SUFFIX) as tmp:
+            tmp_path = tmp.name
+            if archive_member is None:
+                actual = _stream(url, dest, tmp, algo, progress, timeout)
+            else:
+                with _temp_file(dest, ".zip" + _PART_SUFFIX) as archive:
+                    zip_path = archive.name
+                    _stream(url, dest, archive, algo, progress, timeout)
+                actual = _extract_member(url, dest, zip_path, archive_member, tmp, algo)
+        if not actual.startswith(prefix):
+            what = f"member {archive_member!r} of the archive" if archive_member else "the file"
+            raise ChecksumError(
+                f"Checksum mismatch for {url}: {what} has {algo} {actual}, expected a digest "
+                f"starting with {prefix}. Nothing was kept at {dest}. The server or a proxy "
+                f"returned different bytes: check the URL or {ENV_REPO_URL}, or place a "
+                "verified copy there by hand."
+            )
+        os.replace(tmp_path, dest)
+        tmp_path = None
+    finally:
+        # Also runs on KeyboardInterrupt, so no partial file survives an aborted download.
+        _unlink(tmp_path)
+        _unlink(zip_path)
+
+
+def _stream(
+    url: str,
+    dest: pathlib.Path,
+    out: BinaryIO,
+    algo: str,
+    progress: bool,
+    timeout: float,
+) -> str:
+    """Copy the body of ``url`` into ``out``; return its hex digest."""
+    request = urllib.request.Request(url, headers={"User-Agent": _USER_AGENT})
+    try:
+        response = urllib.request.urlopen(request, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        raise _download_error(url, dest, f"HTTP {e.code} {e.reason}") from e
+    except urllib.error.URLError as e:
+        raise _download_error(url, dest, str(e.reason)) from e
+    except (OSError, http.client.HTTPException) as e:  # timeouts while awaiting the headers
+        raise _download_error(url, dest, f"{type(e).__name__}: {e}") from e
+
+    digest = hashlib.new(algo)
+    received = 0
+    with response:
+        length = response.headers.get("Content-Length")
+        total = int(length) if length and length.isdigit() else None
+        stderr = sys.stderr
+        show = progress and stderr is not None and stderr.isatty()
+        with tqdm(
+            total=total,
+            desc=dest.name,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            file=stderr,
+            disable=not show,
+            leave=False,
+        ) as bar:
+            while True:
+                try:
+                    chunk = response.read(_CHUNK_SIZE)
+                except (OSError, http.client.HTTPException) as e:
+                    raise _download_error(
+                        url, dest, f"{type(e).__name__} after {received} bytes: {e}"
+                    ) from e
+                if not chunk:
+                    break
+                out.write(chunk)
+                digest.update(chunk)
+                received += len(chunk)
+                bar.update(len(chunk))
+    if total is not None and received != total:
+        raise _download_error(url, dest, f"the connection closed after {received} of {total} bytes")
+    return digest.hexdigest()
+
+
+def _extract_member(
+    url: str,
+    dest: pathlib.Path,
+    zip_path: str,
+    member: str,
+    out: BinaryIO,
+    algo: str,
+) -> str:
+    """Copy ``member`` of the zip at ``zip_path`` into ``out``; return its hex digest."""
+    try:
+        archive = zipfile.ZipFile(zip_path)
+    except zipfile.BadZipFile as e:
+        raise _download_error(url, dest, f"the download is not a valid zip archive ({e})") from e
+    with archive:
+        names = archive.namelist()
+        unsafe = [n for n in names if _is_unsafe_member(n)]
+        if unsafe:
+            raise _download_error(
+                url,
+                dest,
+                f"the archive holds unsafe member names {unsafe} (absolute paths or '..'); "
+                "refusing to extract anything from it",
+            )
+        if member not in names:
+            raise _download_error(
+                url, dest, f"the archive has no member {member!r}; its members are {names}"
+            )
+        digest = hashlib.new(algo)
+        try:
+            with archive.open(member) as src:
+                while chunk := src.read(_CHUNK_SIZE):
+                    out.write(chunk)
+                    digest.update(chunk)
+        except (zipfile.BadZipFile, EOFError) as e:
+            raise _download_error(
+                url, dest, f"member {member!r} of the archive is corrupt ({e})"
+            ) from e
+    return digest.hexdigest()

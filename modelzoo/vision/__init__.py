@@ -1,0 +1,1 @@
+"""Vision models and data: ResNeSt, split attention, image folders, RecordIO, transforms."""

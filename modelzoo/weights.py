@@ -1,0 +1,101 @@
+"""Metadata of published weights, kept next to each model builder.
+
+Every pretrained entry says where its file lives, how the publisher hashed it, what it
+reaches and how it was trained, so a user (and the schema test) can check it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "Weights"]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+_FORMATS = ("pth", "params", "safetensors")
+_HEX = re.compile(r"^[0-9a-f]+$")
+
+
+@dataclass(frozen=True)
+class Weights:
+    """One published weight file and what it is for.
+
+    Attributes:
+        url: Where the publisher serves the file (``MODELZOO_REPO_URL`` replaces its base).
+        hash_prefix: Hex digest of the file as the publisher gives it: full, or the 8-char
+            prefix in the published file name.
+        hash_algo: ``"sha256"`` (official ResNeSt, ours) or ``"sha1"`` (GluonCV).
+        file_format: ``"pth"`` (torch state dict, loaded with ``weights_only=True``),
+            ``"params"`` (MXNet NDArray file, read without MXNet) or ``"safetensors"``.
+        num_params: Trainable parameter count of the model these weights fit.
+        num_classes: Classifier outputs of the checkpoint.
+        metrics: Published results, e.g. ``{"imagenet_top1": 81.03}``.
+        source: Who published the file (``"official"``, ``"gluoncv"``, ``"modelzoo"``).
+        license: License of the weights.
+        input_size: Evaluation input side in pixels.
+        crop_ratio: Evaluation centre-crop ratio (resize side = input_size / crop_ratio).
+        mean: Per-channel normalisation mean in [0, 1] units.
+        std: Per-channel normalisation std in [0, 1] units.
+        classifier: State-dict prefix of the classifier, dropped when ``num_classes`` differs.
+        archive_member: For a zip download, the member holding the weights (hashed itself).
+        convert: Maps a foreign state dict (e.g. GluonCV names) onto the model's:
+            ``convert(raw, model) -> state_dict``. ``None`` for native files.
+        recipe: The command that trained it and its published log, where known.
+        tags: Free-form extra facts (paper, notes).
+    """
+
+    url: str
+    hash_prefix: str
+    num_params: int
+    num_classes: int
+    metrics: Mapping[str, float]
+    source: str
+    license: str
+    hash_algo: str = "sha256"
+    file_format: str = "pth"
+    input_size: int = 224
+    crop_ratio: float = 0.875
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    classifier: str = "fc"
+    archive_member: str | None = None
+    convert: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
+    recipe: Mapping[str, str] = field(default_factory=dict)
+    tags: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.hash_algo not in ("sha256", "sha1"):
+            raise ValueError(
+                f"Weights({self.url}): hash_algo must be sha256 or sha1, got {self.hash_algo!r}"
+            )
+        if not _HEX.match(self.hash_prefix) or len(self.hash_prefix) < 8:
+            raise ValueError(
+                f"Weights({self.url}): hash_prefix must be at least 8 lowercase hex digits, "
+                f"got {self.hash_prefix!r}"
+            )
+        if self.file_format not in _FORMATS:
+            raise ValueError(
+                f"Weights({self.url}): file_format must be one of {_FORMATS}, got {self.file_format!r}"
+            )
+
+    @property
+    def file_name(self) -> str:
+        """Name of the cached file: ``{name}-{hash8}.{ext}`` as the publisher names it."""
+        return self.archive_member or os.path.basename(self.url)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data view (no callables), for docs tables and run-log headers."""
+        out = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "convert"
+        }
+        out["metrics"] = dict(self.metrics)
+        out["recipe"] = dict(self.recipe)
+        out["tags"] = dict(self.tags)
+        out["file_name"] = self.file_name
+        return out

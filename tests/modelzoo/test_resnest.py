@@ -1,0 +1,137 @@
+"""ResNeSt against the authors' official PyTorch implementation and the paper's numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import modelzoo
+from modelzoo.vision.resnest import ResNeSt
+from modelzoo.vision.splat import DropBlock2d, set_dropblock_prob
+
+from .official_resnest import load_official
+
+# (name, official builder module attribute, published params in millions, 2 decimals)
+VARIANTS = [
+    ("resnest50", "resnest", 27.48),
+    ("resnest101", "resnest", 48.28),
+    ("resnest200", "resnest", 70.20),
+    ("resnest269", "resnest", 110.93),
+    ("resnest50_fast_2s1x64d", "ablation", 27.48),
+    ("resnest50_fast_4s2x40d", "ablation", 30.42),
+]
+
+
+def _official_model(name: str, module: str) -> nn.Module:
+    resnest, ablation = load_official()
+    return getattr(resnest if module == "resnest" else ablation, name)(pretrained=False)
+
+
+def _count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize(("name", "module", "millions"), VARIANTS)
+def test_state_dict_layout_equals_official(name, module, millions):
+    with torch.device("meta"):
+        ours = modelzoo.get_model(name)
+        theirs = _official_model(name, module)
+    ours_sd, theirs_sd = ours.state_dict(), theirs.state_dict()
+    assert list(ours_sd) == list(theirs_sd)
+    for key, value in theirs_sd.items():
+        assert ours_sd[key].shape == value.shape, key
+    assert _count(ours) == _count(theirs)
+    assert round(_count(ours) / 1e6, 2) == pytest.approx(millions, abs=0.011)
+
+
+def test_resnest50_has_the_published_parameter_count():
+    with torch.device("meta"):
+        assert _count(modelzoo.get_model("resnest50")) == 27_483_240
+
+
+@pytest.mark.parametrize("name", ["resnest50", "resnest50_fast_2s1x64d", "resnest50_fast_4s2x40d"])
+def test_official_weights_load_strict_and_give_the_same_logits(name):
+    module = "resnest" if name == "resnest50" else "ablation"
+    torch.manual_seed(0)
+    theirs = _official_model(name, module).eval()
+    with torch.no_grad():  # non-trivial BN statistics so eval-mode BN is exercised
+        for m in theirs.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.1, 0.1)
+    ours = modelzoo.get_model(name)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    ours.eval()
+    x = torch.randn(2, 3, 96, 96)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-5)
+
+
+def test_training_mode_matches_official_gradients():
+    torch.manual_seed(1)
+    resnest, _ = load_official()
+    theirs = resnest.ResNet(
+        resnest.Bottleneck, [1, 1, 1, 1], radix=2, groups=2, bottleneck_width=32,
+        deep_stem=True, stem_width=16, avg_down=True, avd=True, avd_first=True, num_classes=10,
+    )  # fmt: skip
+    ours = ResNeSt(
+        [1, 1, 1, 1], radix=2, cardinality=2, bottleneck_width=32, stem_width=16,
+        avd_first=True, num_classes=10,
+    )  # fmt: skip
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    x = torch.randn(4, 3, 64, 64)
+    ours(x).square().sum().backward()
+    theirs(x).square().sum().backward()
+    for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_last_gamma_zeroes_each_blocks_last_bn():
+    net = modelzoo.get_model("resnest14", last_gamma=True)
+    blocks = [m for m in net.modules() if hasattr(m, "bn3")]
+    assert len(blocks) == 4
+    assert all(torch.count_nonzero(b.bn3.weight) == 0 for b in blocks)
+    # so at initialization every block is the identity on its shortcut path
+    assert torch.count_nonzero(modelzoo.get_model("resnest14").layer1[0].bn3.weight) > 0
+
+
+def test_dropblock_is_in_stages_3_and_4_and_ramps():
+    net = modelzoo.get_model("resnest14", dropblock_prob=0.1)
+    for stage, expected in ((net.layer1, 0), (net.layer2, 0), (net.layer3, 3), (net.layer4, 3)):
+        assert sum(isinstance(m, DropBlock2d) for m in stage.modules()) == expected
+    assert set_dropblock_prob(net, 0.5) == pytest.approx(0.05)
+    assert all(m.drop_prob == pytest.approx(0.05) for m in net.modules() if isinstance(m, DropBlock2d))
+    with pytest.raises(ValueError, match="fraction"):
+        set_dropblock_prob(net, 1.5)
+
+
+def test_dropblock_statistics():
+    torch.manual_seed(0)
+    block = DropBlock2d(0.2, block_size=3).train()
+    x = torch.ones(64, 8, 24, 24)
+    y = block(x)
+    dropped = (y == 0).float().mean().item()
+    # The paper's gamma makes the expected dropped fraction about drop_prob (blocks overlap,
+    # so slightly less); the rescaling keeps the mean activation at 1.
+    assert 0.15 < dropped < 0.22
+    assert y.mean().item() == pytest.approx(1.0, abs=1e-4)
+    zero_rows = (y[0, 0] == 0).nonzero()
+    assert len(zero_rows) > 0
+    # dropped positions come in 3x3 blocks: every dropped pixel has a dropped 3x3 block around
+    # some seed containing it, so no isolated dropped pixel exists
+    mask = (y == 0).float()
+    grown = torch.nn.functional.max_pool2d(1 - mask, 3, 1, 1)
+    assert torch.all((1 - mask) <= grown)
+    assert block.eval()(x).equal(x)
+
+
+def test_bad_options_have_clear_errors():
+    with pytest.raises(ValueError, match="layers"):
+        ResNeSt([3, 4, 6])
+    with pytest.raises(ValueError, match="dropblock_prob"):
+        ResNeSt([1, 1, 1, 1], dropblock_prob=1.5)
+    with pytest.raises(ValueError, match="cardinality"):
+        ResNeSt([1, 1, 1, 1], cardinality=3, bottleneck_width=10)
