@@ -1,0 +1,200 @@
+"""scripts/reproduce.py: the log comparison and, with a tiny stand-in script, the rerun."""
+
+import importlib.util
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "reproduce.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("reproduce_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+reproduce = _load()
+
+HEADER = {"kind": "header", "command": ["scripts/x.py"], "seed": 0, "world_size": 1}
+
+
+def make_log(loss_scale=1.0, samples_per_sec=100.0):
+    records = [dict(HEADER)]
+    for step in (2, 4, 6):
+        records.append(
+            {
+                "kind": "step",
+                "epoch": (step - 1) // 4,
+                "batch": (step - 1) % 4,
+                "step": step,
+                "loss": 1.0 / step * loss_scale,
+                "lr": 0.1,
+                "samples_per_sec": samples_per_sec,
+            }
+        )
+        if step == 4:
+            records.append(
+                {
+                    "kind": "epoch",
+                    "epoch": 0,
+                    "step": 4,
+                    "loss": 0.4 * loss_scale,
+                    "accuracy": 0.5,
+                    "time_cost": 3.0,
+                    "samples_per_sec": samples_per_sec,
+                }
+            )
+            records.append({"kind": "eval", "epoch": 0, "step": 4, "top1": 0.6, "loss": 0.9})
+    records.append({"kind": "end", "total_time": 12.0, "steps": 6})
+    return records
+
+
+def test_identical_logs_pass():
+    lines = []
+    ok, message = reproduce.compare_logs(make_log(), make_log(), report=lines.append)
+    assert ok, message
+    assert "5 records match" in message
+    assert len(lines) == 5 and lines[0].startswith("ok  step epoch=0 step=2")
+
+
+def test_perturbed_loss_fails_naming_record_and_field():
+    new = make_log()
+    new[2]["loss"] *= 1 + 1e-3  # step 4
+    ok, message = reproduce.compare_logs(make_log(), new, rtol=1e-4, atol=1e-6)
+    assert not ok
+    assert "step epoch=0 step=4" in message and "'loss'" in message
+    assert "original:" in message and "rerun:" in message
+
+
+def test_perturbation_within_tolerance_passes():
+    new = make_log(loss_scale=1 + 1e-6)
+    assert reproduce.compare_logs(make_log(), new, rtol=1e-4, atol=1e-6)[0]
+
+
+def test_first_divergence_is_reported():
+    new = make_log(loss_scale=2.0)
+    ok, message = reproduce.compare_logs(make_log(), new)
+    assert not ok and "step epoch=0 step=2" in message
+
+
+def test_timing_fields_ignored():
+    new = make_log(samples_per_sec=5.0)
+    new[-1]["total_time"] = 99.0
+    assert reproduce.compare_logs(make_log(), new)[0]
+
+
+def test_header_only_fails():
+    ok, message = reproduce.compare_logs(make_log(), [dict(HEADER)])
+    assert not ok and "no comparable records" in message
+
+
+def test_prefix_of_a_shortened_rerun_is_compared():
+    # A rerun with --max-steps 5: epoch 1 is cut short and logs its record at step 5.
+    new = [r for r in make_log() if r.get("step", 0) <= 4 and r["kind"] != "end"]
+    new.append({"kind": "epoch", "epoch": 1, "step": 5, "loss": 123.0, "accuracy": 0.0})
+    ok, message = reproduce.compare_logs(make_log(), new)
+    assert ok and "4 records match" in message, message
+
+
+def test_stepless_epoch_record_of_a_shortened_rerun_is_skipped():
+    original = make_log()
+    original.insert(-1, {"kind": "epoch", "epoch": 1, "loss": 0.2})
+    new = [r for r in make_log() if r.get("step", 0) <= 4 and r["kind"] != "end"]
+    new.append({"kind": "epoch", "epoch": 1, "loss": 123.0})  # partial epoch
+    assert reproduce.compare_logs(original, new)[0]
+
+
+def test_nan_matches_nan_only():
+    a, b = make_log(), make_log()
+    a[1]["loss"] = b[1]["loss"] = float("nan")
+    assert reproduce.compare_logs(a, b)[0]
+    b[1]["loss"] = 1.0
+    assert not reproduce.compare_logs(a, b)[0]
+
+
+def test_build_command_replaces_flags_and_uses_torchrun():
+    header = {
+        "command": ["scripts/t.py", "--lr", "0.1", "--max-steps=9", "--run-log", "a.jsonl"],
+        "world_size": 1,
+    }
+    cmd = reproduce.build_command(header, "/tmp/r.jsonl", max_steps=3, python="py")
+    assert cmd == [
+        "py",
+        str(reproduce.REPO_ROOT / "scripts/t.py"),
+        "--lr",
+        "0.1",
+        "--run-log",
+        "/tmp/r.jsonl",
+        "--max-steps",
+        "3",
+    ]
+    header["world_size"] = 4
+    cmd = reproduce.build_command(header, "r.jsonl", python="py")
+    assert cmd[:6] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    assert "--max-steps=9" in cmd  # kept when no --max-steps is asked for
+
+
+def test_default_tolerances_by_world_size():
+    assert reproduce.default_tolerances(1) == (1e-4, 1e-6)
+    assert reproduce.default_tolerances(8) == (1e-3, 1e-5)
+
+
+FAKE_TRAINER = """
+import argparse, json
+p = argparse.ArgumentParser()
+p.add_argument("--run-log"); p.add_argument("--max-steps", type=int, default=6)
+p.add_argument("--noise", type=float, default=0.0)
+a = p.parse_args()
+with open(a.run_log, "w") as f:
+    f.write(json.dumps({"kind": "header", "command": [], "world_size": 1}) + "\\n")
+    for s in range(1, a.max_steps + 1):
+        f.write(json.dumps({"kind": "step", "epoch": 0, "step": s, "loss": 1.0 / s + a.noise,
+                            "samples_per_sec": 1.0}) + "\\n")
+    f.write(json.dumps({"kind": "end", "steps": a.max_steps}) + "\\n")
+"""
+
+
+def _published_log(tmp_path, extra_args=()):
+    script = tmp_path / "fake_train.py"
+    script.write_text(textwrap.dedent(FAKE_TRAINER))
+    header = {"kind": "header", "command": [str(script), *extra_args], "world_size": 1}
+    records = [header] + [
+        {"kind": "step", "epoch": 0, "step": s, "loss": 1.0 / s, "samples_per_sec": 9.0}
+        for s in range(1, 7)
+    ]
+    log = tmp_path / "published.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return log
+
+
+def test_main_reruns_and_passes(tmp_path, capsys):
+    log = _published_log(tmp_path)
+    assert reproduce.main([str(log), "--max-steps", "3", "--python", sys.executable]) == 0
+    out = capsys.readouterr().out
+    assert "reproduced: 3 records match" in out
+
+
+def test_main_fails_on_divergence(tmp_path, capsys):
+    log = _published_log(tmp_path, ["--noise", "0.01"])
+    assert reproduce.main([str(log), "--python", sys.executable]) == 1
+    err = capsys.readouterr().err
+    assert "first divergence at step epoch=0 step=1" in err and "'loss'" in err
+
+
+def test_main_reports_failed_rerun(tmp_path, capsys):
+    log = _published_log(tmp_path, ["--no-such-flag"])
+    assert reproduce.main([str(log), "--python", sys.executable]) == 3
+    assert "rerun failed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", ["", '{"kind": "step", "step": 1}\n'])
+def test_main_rejects_log_without_header(tmp_path, capsys, content):
+    log = tmp_path / "bad.jsonl"
+    log.write_text(content)
+    assert reproduce.main([str(log)]) == 2
+    assert "header" in capsys.readouterr().err
