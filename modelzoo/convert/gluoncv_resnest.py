@@ -133,7 +133,7 @@ def _listing(items: list[str], limit: int = 12) -> str:
 
 
 def convert_gluoncv_resnest(
-    params: Mapping[str, np.ndarray], model: nn.Module
+    params: Mapping[str, np.ndarray], model: nn.Module, *, classifier: str = "fc"
 ) -> dict[str, torch.Tensor]:
     """Converts GluonCV ResNeSt parameters into a state dict for ``model``.
 
@@ -142,6 +142,10 @@ def convert_gluoncv_resnest(
             :func:`modelzoo.convert.mxnet.load_mxnet_params`.
         model: The target :class:`modelzoo.vision.resnest.ResNeSt` (any device, including
             ``meta``); it supplies the keys, their order and shapes.
+        classifier: The classifier module's name. Its tensors may differ in shape from the
+            model's (a model built for another number of classes): they are passed through with
+            the file's shape, for the caller to drop (as ``get_model(..., num_classes=...)``
+            does); a strict ``load_state_dict`` then reports the size mismatch.
 
     Returns:
         A state dict in ``model.state_dict()`` key order, ready for
@@ -174,6 +178,7 @@ def convert_gluoncv_resnest(
         f"{name} {tuple(params[name].shape)} -> {key} {tuple(target[key].shape)}"
         for key, name in sources.items()
         if tuple(params[name].shape) != tuple(target[key].shape)
+        and not key.startswith(classifier + ".")
     ]
     problems = []
     if unmapped:

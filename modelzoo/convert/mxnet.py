@@ -232,7 +232,7 @@ def load_mxnet_params(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     if not names:
         return {str(i): a for i, a in enumerate(arrays)}
     out: dict[str, np.ndarray] = {}
-    for name, array in zip(names, arrays):
+    for name, array in zip(names, arrays, strict=True):
         key = name[4:] if name.startswith(_PREFIXES) else name
         if key in out:
             raise ValueError(f"{path}: duplicate parameter name {key!r} (from {name!r})")
