@@ -12,6 +12,7 @@ import fnmatch
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from torch import nn
@@ -20,6 +21,7 @@ from .weights import Weights
 
 __all__ = [
     "ModelEntry",
+    "fetch_weights",
     "get_model",
     "get_model_entry",
     "get_weights",
@@ -127,19 +129,11 @@ def get_weights(name: str, tag: str | bool = True) -> Weights:
     return entry.weights[key]
 
 
-def load_pretrained(
-    model: nn.Module, weights: Weights, *, progress: bool = True, strict_classifier: bool = True
-) -> nn.Module:
-    """Downloads (or finds in the cache) ``weights`` and loads them into ``model``.
-
-    With ``strict_classifier=False`` the checkpoint's classifier (``weights.classifier``) is
-    not loaded and the model keeps its freshly initialized one; everything else must match
-    exactly.
-    """
+def fetch_weights(weights: Weights, *, progress: bool = True) -> Path:
+    """Makes sure the file of ``weights`` is in the cache and verified; returns its path."""
     from . import store  # the only module that touches the network
-    from .convert.load import read_state_dict
 
-    path = store.fetch(
+    return store.fetch(
         weights.url,
         file_name=weights.file_name,
         hash_prefix=weights.hash_prefix,
@@ -147,6 +141,26 @@ def load_pretrained(
         archive_member=weights.archive_member,
         progress=progress,
     )
+
+
+def load_pretrained(
+    model: nn.Module,
+    weights: Weights,
+    *,
+    progress: bool = True,
+    strict_classifier: bool = True,
+    path: str | Path | None = None,
+) -> nn.Module:
+    """Downloads (or finds in the cache) ``weights`` and loads them into ``model``.
+
+    With ``strict_classifier=False`` the checkpoint's classifier (``weights.classifier``) is
+    not loaded and the model keeps its freshly initialized one; everything else must match
+    exactly. ``path`` skips the fetch when the verified file is already at hand.
+    """
+    from .convert.load import read_state_dict
+
+    if path is None:
+        path = fetch_weights(weights, progress=progress)
     state = read_state_dict(path, weights.file_format)
     if weights.convert is not None:
         state = weights.convert(state, model)
@@ -197,6 +211,7 @@ def get_model(
             kwargs["num_classes"] = num_classes
         return entry.builder(**kwargs)
     weights = get_weights(entry.name, pretrained)
+    path = fetch_weights(weights, progress=progress)  # fail fast, before building a big model
     classes = weights.num_classes if num_classes is None else num_classes
     model = entry.builder(num_classes=classes, **overrides)
     if classes != weights.num_classes:
@@ -207,5 +222,5 @@ def get_model(
             UserWarning,
             stacklevel=2,
         )
-        return load_pretrained(model, weights, progress=progress, strict_classifier=False)
-    return load_pretrained(model, weights, progress=progress)
+        return load_pretrained(model, weights, strict_classifier=False, path=path)
+    return load_pretrained(model, weights, path=path)

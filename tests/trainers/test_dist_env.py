@@ -1,0 +1,92 @@
+"""DistEnv from torchrun's environment (faked) and from plain python."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import trainers.dist as dist_module
+from trainers import DistEnv
+
+TORCHRUN_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_plain_python_is_a_world_of_one(clean_env):
+    env = DistEnv.from_env(device="cpu")
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (0, 0, 1, 1)
+    assert env.restart_count == 0 and env.is_main and not env.distributed
+    assert env.backend is None and env.device == torch.device("cpu")
+    assert not dist.is_initialized()
+    t = torch.tensor([1.0, 2.0])
+    assert env.all_reduce_sum(t) is t and t.tolist() == [1.0, 2.0]
+    assert env.broadcast_object({"a": 1}) == {"a": 1}
+    assert env.all_gather_object(3) == [3]
+    assert env.gather_object(3) == [3]
+    env.barrier()
+    with env as same:
+        assert same is env
+    assert not dist.is_initialized()
+
+
+def test_fake_torchrun_environment(clean_env):
+    calls = []
+    clean_env.setattr(dist_module.dist, "init_process_group", lambda **kw: calls.append(kw))
+    for name, value in {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+    }.items():
+        clean_env.setenv(name, value)
+    env = DistEnv.from_env(device="cpu")
+    assert calls == [{"backend": "gloo", "init_method": "env://", "rank": 3, "world_size": 4}]
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (3, 1, 4, 2)
+    assert env.restart_count == 2 and not env.is_main and env.distributed
+    assert env.backend == "gloo" and env.owns_process_group
+
+
+def test_missing_rendezvous_address_is_explained(clean_env):
+    clean_env.setenv("WORLD_SIZE", "2")
+    clean_env.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match="MASTER_ADDR"):
+        DistEnv.from_env(device="cpu")
+
+
+@pytest.mark.parametrize(("rank", "world"), [("2", "2"), ("x", "2")])
+def test_inconsistent_environment_is_rejected(clean_env, rank, world):
+    clean_env.setenv("RANK", rank)
+    clean_env.setenv("WORLD_SIZE", world)
+    with pytest.raises(ValueError, match="RANK"):
+        DistEnv.from_env(device="cpu")
+
+
+def test_seed_everything_is_per_rank():
+    DistEnv(rank=2, world_size=4).seed_everything(10)
+    got = (torch.rand(3), np.random.rand(), random.random())
+    torch.manual_seed(12)
+    np.random.seed(12)
+    random.seed(12)
+    want = (torch.rand(3), np.random.rand(), random.random())
+    assert torch.equal(got[0], want[0]) and got[1:] == want[1:]

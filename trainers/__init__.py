@@ -1,0 +1,36 @@
+"""trainers: the shared distributed training loop of modelzoo's scripts.
+
+``DistEnv`` reads torchrun's environment, ``Trainer`` runs the loop (accumulation, mixed
+precision, clipping, gradient combining, evaluation, checkpoints, run logs). This package
+never imports ``modelzoo``.
+"""
+
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .combine import AverageCombiner, GradCombiner, unwrap_model
+from .data import SeededDataset, ShardedSampler, derive_seed
+from .dist import DistEnv
+from .logs import RunLogger, format_metrics, make_header, progress_bar
+from .trainer import Trainer, TrainerConfig
+
+# ---- submodules owned by other issues -------------------------------------------------------
+# Add `from trainers import optim, schedules` (and adasum, elastic, ...) here.
+# ---------------------------------------------------------------------------------------------
+
+__all__ = [
+    "AverageCombiner",
+    "CheckpointError",
+    "DistEnv",
+    "GradCombiner",
+    "RunLogger",
+    "SeededDataset",
+    "ShardedSampler",
+    "Trainer",
+    "TrainerConfig",
+    "derive_seed",
+    "format_metrics",
+    "load_checkpoint",
+    "make_header",
+    "progress_bar",
+    "save_checkpoint",
+    "unwrap_model",
+]

@@ -1,0 +1,110 @@
+"""Atomic checkpoint files: a crash while saving never leaves a partial or corrupt checkpoint.
+
+:func:`save_checkpoint` writes to a temporary file in the destination's directory, flushes
+and fsyncs it, then ``os.replace``-s it over the destination (atomic on POSIX and Windows
+for paths on one file system) and fsyncs the directory. A worker killed mid-save leaves the
+previous checkpoint intact; an exception mid-save also removes the temporary file.
+
+:func:`load_checkpoint` uses ``torch.load(..., weights_only=True)``: tensors, numbers,
+strings, lists, tuples and dicts only, never arbitrary pickled objects. Keep checkpoint
+states to those types (the trainer stores numpy/``random`` RNG states as plain lists).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated or not loadable."""
+
+
+def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path:
+    """Write ``state`` to ``path`` atomically (temp file + fsync + ``os.replace``).
+
+    Args:
+        path: destination file; its directory is created if needed.
+        state: what ``torch.save`` writes; keep it to tensors and plain Python containers so
+            that :func:`load_checkpoint` can read it with ``weights_only=True``.
+
+    Returns:
+        The destination path.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str], *, map_location: Any = "cpu", weights_only: bool = True
+) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint`.
+
+    Args:
+        path: the checkpoint file.
+        map_location: passed to ``torch.load`` (default: every tensor on the CPU).
+        weights_only: refuse arbitrary pickled objects (default). Pass ``False`` only for
+            a file you trust that stores other types.
+
+    Raises:
+        CheckpointError: the file is missing, truncated, or holds objects that
+            ``weights_only=True`` refuses; the message names the file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} does not exist; check the path (a run writes "
+            "'latest.pt' and 'epoch<N>.pt' in its --save-dir)"
+        )
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds objects that weights_only=True refuses ({err}); "
+            "load it with weights_only=False only if you trust the file"
+        ) from err
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is truncated or corrupt ({type(err).__name__}: {err}); "
+            "use an earlier checkpoint"
+        ) from err
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds a {type(state).__name__}, expected a dict"
+        )
+    return state
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename durable; not every platform can open a directory."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,353 @@
+"""Run logs: one JSON Lines file per run plus GluonCV-style console lines (rank 0 only).
+
+The record kinds and fields are specified in ``docs/run_logs.md``: ``header`` first, then
+``step`` / ``epoch`` / ``eval`` / ``checkpoint`` / ``membership`` records, ``end`` last. Each
+line is flushed as soon as it is written, so a crashed run keeps every record up to the
+crash. The console shows the same numbers in the format GluonCV users know::
+
+    Epoch[0] Batch [49]	Speed: 1293.07 samples/sec	loss=1.234567	accuracy=0.817100	lr=0.003133
+    [Epoch 0] training: loss=1.102345 accuracy=0.664033
+    [Epoch 0] speed: 4456 samples/sec	time cost: 297.58
+    [Epoch 0] validation: top1=0.908084 top5=0.771923
+    Training time for 1 epochs: 301.20 sec.
+
+Metrics print with six decimals (GluonCV's ``%f``), the per-batch speed with two.
+Non-finite floats are written as JSON ``null`` (JSON has no NaN) and print as ``nan``/``inf``.
+
+Example:
+    >>> logger = RunLogger("runs/r1.jsonl", enabled=env.is_main, logging_file="runs/r1.log")
+    >>> logger.header(make_header(sys.argv, seed=0, world_size=env.world_size, config=args))
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+__all__ = ["RunLogger", "format_metrics", "make_header", "progress_bar"]
+
+_T = TypeVar("_T")
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+_DISTRIBUTION = "modelzoo-trainers-pt"
+
+
+# -- values -----------------------------------------------------------------------------------
+def _to_json(value: Any) -> Any:
+    """Plain JSON types: tensors/numpy scalars become numbers, NaN/inf become null."""
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return str(value)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, (bool, str)):
+        return str(value)
+    try:
+        return f"{float(value):.6f}"
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def format_metrics(metrics: Mapping[str, Any], sep: str = " ") -> str:
+    """``name=value`` pairs with six decimals, joined by ``sep``."""
+    return sep.join(f"{name}={_fmt(value)}" for name, value in metrics.items())
+
+
+# -- header -----------------------------------------------------------------------------------
+def _git_sha(root: Path = _REPO_ROOT) -> str | None:
+    """``git rev-parse HEAD`` of the repository holding this package, or None."""
+    if not (root / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sha = out.stdout.strip()
+    return sha or None
+
+
+def _modelzoo_version() -> str | None:
+    # trainers never imports modelzoo: read it only if the script already imported it.
+    module = sys.modules.get("modelzoo")
+    version = getattr(module, "__version__", None)
+    if version is not None:
+        return str(version)
+    try:
+        return importlib.metadata.version(_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _relative_command(command: Sequence[str]) -> list[str]:
+    """``sys.argv`` with the script path made relative to the repository root if inside it."""
+    args = [str(a) for a in command]
+    if args:
+        script = Path(args[0])
+        with contextlib.suppress(ValueError, OSError):
+            args[0] = script.resolve().relative_to(_REPO_ROOT).as_posix()
+    return args
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, argparse.Namespace):
+        config = vars(config)
+    elif dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    if not isinstance(config, Mapping):
+        raise TypeError(
+            f"config must be an argparse.Namespace, a dataclass or a mapping, got {type(config).__name__}"
+        )
+    return {str(k): _to_json(v) for k, v in config.items()}
+
+
+def make_header(
+    command: Sequence[str], seed: int, world_size: int, config: Any = None
+) -> dict[str, Any]:
+    """The ``header`` record of docs/run_logs.md.
+
+    Args:
+        command: ``sys.argv``; the script path is made relative to the repository root.
+        seed: the run seed.
+        world_size: number of ranks.
+        config: all parsed flags (``argparse.Namespace``, dataclass or mapping).
+    """
+    return {
+        "kind": "header",
+        "command": _relative_command(command),
+        "seed": int(seed),
+        "world_size": int(world_size),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+            "modelzoo": _modelzoo_version(),
+        },
+        "git": _git_sha(),
+        "config": _config_dict(config),
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# -- progress bar -----------------------------------------------------------------------------
+def progress_bar(
+    iterable: Iterable[_T],
+    *,
+    total: int | None = None,
+    desc: str | None = None,
+    enabled: bool = True,
+) -> Iterable[_T]:
+    """A tqdm bar on stderr when ``enabled`` (pass ``env.is_main``) and stderr is a terminal.
+
+    Otherwise the iterable itself: CI logs and redirected output never get bar garbage.
+    """
+    if not enabled or not _isatty(sys.stderr):
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
+
+
+def _isatty(stream: IO[str] | None) -> bool:
+    try:
+        return bool(stream is not None and stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+# -- the logger -------------------------------------------------------------------------------
+class RunLogger:
+    """Writes the JSONL run log and the console lines; silent when ``enabled`` is False.
+
+    Args:
+        path: the ``.jsonl`` file, or None for console only.
+        enabled: pass ``env.is_main``: only rank 0 writes anything.
+        console: print the GluonCV-style lines to stdout.
+        logging_file: also append the console lines to this file (``--logging-file``).
+        mode: ``"w"`` starts a new log, ``"a"`` appends (e.g. after a restart).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        enabled: bool = True,
+        console: bool = True,
+        logging_file: str | os.PathLike[str] | None = None,
+        mode: str = "w",
+    ) -> None:
+        if mode not in ("w", "a"):
+            raise ValueError(f"mode must be 'w' or 'a', got {mode!r}")
+        self.enabled = enabled
+        self.console = console and enabled
+        self.path = Path(path) if path is not None else None
+        self._file: IO[str] | None = None
+        self._console_file: IO[str] | None = None
+        if enabled and self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, mode, encoding="utf-8")  # noqa: SIM115 (closed in close())
+        if enabled and logging_file is not None:
+            Path(logging_file).parent.mkdir(parents=True, exist_ok=True)
+            self._console_file = open(logging_file, "a", encoding="utf-8")  # noqa: SIM115
+
+    # -- low level ----------------------------------------------------------------------------
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Append one JSON record (must have a ``kind``) and flush it."""
+        if self._file is None:
+            return
+        if "kind" not in record:
+            raise ValueError(f"run-log records need a 'kind', got keys {sorted(record)}")
+        line = json.dumps(_to_json(dict(record)), allow_nan=False, separators=(", ", ": "))
+        self._file.write(line + "\n")
+        self._file.flush()
+
+    def info(self, line: str) -> None:
+        """Print a console line (and tee it to the logging file)."""
+        if not self.enabled:
+            return
+        if self.console:
+            tqdm.write(line, file=sys.stdout)  # keeps a rank-0 progress bar intact
+            sys.stdout.flush()
+        if self._console_file is not None:
+            self._console_file.write(line + "\n")
+            self._console_file.flush()
+
+    def close(self) -> None:
+        for f in (self._file, self._console_file):
+            if f is not None:
+                f.close()
+        self._file = self._console_file = None
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- records ------------------------------------------------------------------------------
+    def header(self, header: Mapping[str, Any]) -> None:
+        """Write the header record (see :func:`make_header`); print the parsed arguments."""
+        self.write(header)
+        config = header.get("config") or {}
+        self.info("Namespace(" + ", ".join(f"{k}={v!r}" for k, v in config.items()) + ")")
+
+    def step(
+        self,
+        *,
+        epoch: int,
+        batch: int,
+        step: int,
+        loss: float,
+        lr: float,
+        samples_per_sec: float,
+        **metrics: Any,
+    ) -> None:
+        """A ``step`` record; ``batch`` is the 0-based index within the epoch."""
+        self.write(
+            {
+                "kind": "step",
+                "epoch": epoch,
+                "batch": batch,
+                "step": step,
+                "loss": loss,
+                "lr": lr,
+                "samples_per_sec": samples_per_sec,
+                **metrics,
+            }
+        )
+        parts = [
+            f"Epoch[{epoch}] Batch [{batch}]",
+            f"Speed: {float(samples_per_sec):.2f} samples/sec",
+        ]
+        parts.append(format_metrics({"loss": loss, **metrics}, sep="\t"))
+        parts.append(f"lr={_fmt(lr)}")
+        self.info("\t".join(parts))
+
+    def epoch(
+        self, *, epoch: int, loss: float, samples_per_sec: float, time_cost: float, **metrics: Any
+    ) -> None:
+        """An ``epoch`` record: the epoch's training means, speed and time."""
+        self.write(
+            {
+                "kind": "epoch",
+                "epoch": epoch,
+                "loss": loss,
+                "samples_per_sec": samples_per_sec,
+                "time_cost": time_cost,
+                **metrics,
+            }
+        )
+        self.info(f"[Epoch {epoch}] training: {format_metrics({'loss': loss, **metrics})}")
+        self.info(
+            f"[Epoch {epoch}] speed: {int(samples_per_sec)} samples/sec\ttime cost: {time_cost:.2f}"
+        )
+
+    def eval(self, *, epoch: int, step: int, **metrics: Any) -> None:
+        """An ``eval`` record."""
+        self.write({"kind": "eval", "epoch": epoch, "step": step, **metrics})
+        self.info(f"[Epoch {epoch}] validation: {format_metrics(metrics)}")
+
+    def checkpoint(self, *, epoch: int, step: int, path: str | os.PathLike[str]) -> None:
+        """A ``checkpoint`` record, after the file is in place."""
+        self.write({"kind": "checkpoint", "epoch": epoch, "step": step, "path": os.fspath(path)})
+        self.info(f"[Epoch {epoch}] saved checkpoint {os.fspath(path)} at step {step}")
+
+    def membership(
+        self, *, step: int, old_world_size: int, new_world_size: int, **extra: Any
+    ) -> None:
+        """A ``membership`` record (elastic world-size change)."""
+        self.write(
+            {
+                "kind": "membership",
+                "step": step,
+                "old_world_size": old_world_size,
+                "new_world_size": new_world_size,
+                **extra,
+            }
+        )
+        self.info(f"[Step {step}] world size changed: {old_world_size} -> {new_world_size}")
+
+    def end(self, *, total_time: float, steps: int, epochs: int, **metrics: Any) -> None:
+        """The ``end`` record (last line) with the final metrics."""
+        self.write(
+            {"kind": "end", "total_time": total_time, "steps": steps, "epochs": epochs, **metrics}
+        )
+        self.info(f"Training time for {epochs} epochs: {total_time:.2f} sec.")

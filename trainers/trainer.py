@@ -1,0 +1,760 @@
+"""The shared training loop every script uses.
+
+One :class:`Trainer` runs the same loop on one CPU process or many GPUs under ``torchrun``:
+per-iteration learning-rate schedule, gradient accumulation (no gradient sync on
+non-final micro-steps), mixed precision (bf16/fp16 autocast, loss scaling for fp16),
+gradient clipping, data-parallel averaging through a pluggable :class:`GradCombiner`,
+evaluation, throughput measurement, run logs, and checkpoints from which a run continues
+bit-for-bit on CPU.
+
+Contracts with the script:
+
+* ``train_step(model, batch) -> (loss, metrics)``: called under autocast with the model the
+  combiner prepared (``DistributedDataParallel`` when distributed: always call its
+  ``forward`` through it), in train mode. ``batch`` is the collated batch already on the
+  device. ``loss`` is the scalar mean loss of the micro-batch (the trainer divides it by the
+  number of micro-batches of the step and runs backward). ``metrics`` maps names to sums
+  (tensors or numbers, no ``.item()`` needed): they are summed over micro-batches, steps of
+  the log interval and ranks; if a ``"count"`` key is present every other metric is reported
+  as ``sum / count``, else as ``sum / number of micro-batches``. Return the same keys on
+  every call.
+* ``eval_step(model, batch) -> dict of sums``: called under ``torch.no_grad()`` and autocast
+  with the bare module (never DDP) in eval mode; the same ``"count"`` rule turns the
+  all-reduced sums into means, e.g. ``{"top1": correct1, "top5": correct5, "loss":
+  loss_sum, "count": n}``.
+* Hooks: any objects with some of ``on_train_start(trainer)``, ``on_epoch_start(trainer,
+  epoch)``, ``on_step_end(trainer, step)``, ``on_epoch_end(trainer, epoch, metrics)``,
+  ``on_eval_end(trainer, metrics)``, ``on_train_end(trainer, metrics)`` and optionally
+  ``state_dict()``/``load_state_dict()`` (saved in checkpoints). ``on_epoch_start`` is called
+  again when a run resumes mid-epoch, so make it a function of the epoch (DropBlock ramp,
+  mixup off-epoch).
+* ``lr_schedule``: ``None`` (keep the optimizer's lr), a callable ``step -> lr`` of the
+  0-based global optimizer step (e.g. :class:`trainers.schedules.LRSchedule`; each group
+  gets ``lr * group.get("lr_scale", 1)``), or a ``torch.optim.lr_scheduler.LRScheduler``
+  (stepped after every optimizer step). Its ``state_dict`` is checkpointed if it has one.
+
+Batch sizes: ``config.batch_size`` is per rank and per micro-step; one optimizer step
+consumes ``batch_size * grad_accum_steps * world_size`` samples.
+
+Example:
+    >>> env = DistEnv.from_env()
+    >>> trainer = Trainer(model, optimizer, TrainerConfig(epochs=2, batch_size=32), env=env,
+    ...                   train_step=train_step, eval_step=eval_step, lr_schedule=schedule)
+    >>> trainer.fit(train_set, eval_dataset=val_set)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .combine import AverageCombiner, GradCombiner
+from .data import SeededDataset, ShardedSampler, derive_seed
+from .dist import DistEnv
+from .logs import RunLogger, progress_bar
+
+__all__ = ["CHECKPOINT_FORMAT", "Trainer", "TrainerConfig"]
+
+CHECKPOINT_FORMAT = 1
+_PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+TrainStep = Callable[[nn.Module, Any], tuple[torch.Tensor, Mapping[str, Any]]]
+EvalStep = Callable[[nn.Module, Any], Mapping[str, Any]]
+
+
+@dataclass
+class TrainerConfig:
+    """Everything the loop needs besides the model, optimizer and data.
+
+    Attributes:
+        epochs: epochs to train (the run ends earlier if ``max_steps`` is reached).
+        max_steps: stop after this many optimizer steps overall (``None``: no limit).
+        batch_size: samples per rank per micro-step.
+        eval_batch_size: per rank for evaluation; default ``batch_size``.
+        grad_accum_steps: micro-steps per optimizer step.
+        precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + loss scaling).
+        clip_grad_norm: clip the global gradient 2-norm to this value (``None``: no clipping).
+        log_interval: write a step record every this many optimizer steps of an epoch
+            (0: none).
+        eval_interval: evaluate every this many epochs (0: never during ``fit``).
+        eval_interval_steps: also evaluate every this many global steps (0: never).
+        save_dir: directory for ``latest.pt`` and ``epoch<N>.pt`` (``None``: no saving).
+        save_frequency: write ``epoch<N>.pt`` every this many epochs (0: only
+            ``latest.pt`` at the end).
+        save_interval_steps: also write ``latest.pt`` every this many global steps (0: never).
+        num_workers: DataLoader worker processes per rank.
+        seed: run seed: data order, augmentation, and each rank's RNG (``seed + rank``).
+        channels_last: convert the model and 4-D input tensors to channels-last.
+        drop_last: drop each epoch's incomplete final global batch. If kept, it must give every
+            rank at least one sample, and its micro-batches weigh as much as full ones.
+        shuffle: shuffle the training data each epoch.
+        progress: show a tqdm bar on rank 0 when stderr is a terminal.
+    """
+
+    epochs: int = 1
+    max_steps: int | None = None
+    batch_size: int = 32
+    eval_batch_size: int | None = None
+    grad_accum_steps: int = 1
+    precision: str = "fp32"
+    clip_grad_norm: float | None = None
+    log_interval: int = 50
+    eval_interval: int = 1
+    eval_interval_steps: int = 0
+    save_dir: str | None = None
+    save_frequency: int = 1
+    save_interval_steps: int = 0
+    num_workers: int = 0
+    seed: int = 0
+    channels_last: bool = False
+    drop_last: bool = True
+    shuffle: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.precision not in _PRECISIONS:
+            raise ValueError(
+                f"precision must be one of {', '.join(_PRECISIONS)}, got {self.precision!r}"
+            )
+        for name in ("epochs", "batch_size", "grad_accum_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in (
+            "log_interval",
+            "eval_interval",
+            "eval_interval_steps",
+            "save_frequency",
+            "save_interval_steps",
+            "num_workers",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 disables it), got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps}")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise ValueError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm}")
+
+
+class _Meter:
+    """Sums of the loss and of the metrics over micro-batches, reduced across ranks on demand."""
+
+    def __init__(self) -> None:
+        self.loss: torch.Tensor | float = 0.0
+        self.batches = 0
+        self.sums: dict[str, torch.Tensor | float] = {}
+
+    def update(self, metrics: Mapping[str, Any], loss: torch.Tensor | None = None) -> None:
+        if loss is not None:
+            self.loss = self.loss + loss.detach().float()
+        self.batches += 1
+        for name, value in metrics.items():
+            value = value.detach().double() if isinstance(value, torch.Tensor) else float(value)
+            self.sums[name] = self.sums.get(name, 0.0) + value
+
+    def reduce(
+        self, env: DistEnv, keys: Sequence[str] | None = None
+    ) -> tuple[float, dict[str, float]]:
+        """Global means: the loss per micro-batch, metrics per ``count`` (or micro-batch)."""
+        names = sorted(self.sums) if keys is None else list(keys)
+        values = [self.loss, float(self.batches)] + [self.sums.get(n, 0.0) for n in names]
+        vector = torch.stack(
+            [torch.as_tensor(v, dtype=torch.float64, device=env.device).reshape(()) for v in values]
+        )
+        totals = env.all_reduce_sum(vector).tolist()
+        loss_sum, batches, reduced = totals[0], totals[1], dict(zip(names, totals[2:], strict=True))
+        # Report in the order train_step/eval_step returned them (ranks agree on the set).
+        order = [n for n in self.sums if n in reduced] + [n for n in names if n not in self.sums]
+        sums = {n: reduced[n] for n in order}
+        denominator = sums.pop("count", batches)
+        loss = loss_sum / batches if batches else math.nan
+        means = {
+            name: total / denominator if denominator else math.nan for name, total in sums.items()
+        }
+        return loss, means
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "loss": float(self.loss),
+            "batches": self.batches,
+            "sums": {k: float(v) for k, v in self.sums.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.loss = float(state["loss"])
+        self.batches = int(state["batches"])
+        self.sums = {k: float(v) for k, v in state["sums"].items()}
+
+    @staticmethod
+    def merged(states: Sequence[Mapping[str, Any]], keep: bool) -> dict[str, Any]:
+        """All ranks' sums on one rank (``keep``), zeros with the same keys on the others."""
+        keys = sorted({k for s in states for k in s["sums"]})
+        if not keep:
+            return {"loss": 0.0, "batches": 0, "sums": dict.fromkeys(keys, 0.0)}
+        return {
+            "loss": sum(s["loss"] for s in states),
+            "batches": sum(s["batches"] for s in states),
+            "sums": {k: sum(s["sums"].get(k, 0.0) for s in states) for k in keys},
+        }
+
+
+class Trainer:
+    """The training loop: see the module docstring for the contracts.
+
+    Args:
+        model: the module; moved to ``env.device`` (and channels-last if configured).
+        optimizer: built on ``model``'s parameters.
+        config: a :class:`TrainerConfig`.
+        env: the :class:`DistEnv` (default :meth:`DistEnv.from_env`).
+        logger: a :class:`RunLogger` (default: console only, rank 0).
+        lr_schedule: ``None``, a callable ``step -> lr`` or an ``LRScheduler``.
+        train_step: ``(model, batch) -> (loss, metric sums)``.
+        eval_step: ``(model, batch) -> metric sums``; required for evaluation.
+        combiner: how gradients are combined across ranks (default :class:`AverageCombiner`).
+        hooks: objects with ``on_*`` methods, called in order.
+
+    Construction seeds every RNG with ``config.seed + rank`` (see
+    :meth:`DistEnv.seed_everything`); build the model before, with your own seed.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: TrainerConfig,
+        *,
+        train_step: TrainStep,
+        eval_step: EvalStep | None = None,
+        env: DistEnv | None = None,
+        logger: RunLogger | None = None,
+        lr_schedule: Callable[[int], float] | Any | None = None,
+        combiner: GradCombiner | None = None,
+        hooks: Iterable[Any] = (),
+    ) -> None:
+        self.config = config
+        self.env = env if env is not None else DistEnv.from_env()
+        self.logger = logger if logger is not None else RunLogger(None, enabled=self.env.is_main)
+        self.optimizer = optimizer
+        self.lr_schedule = lr_schedule
+        self.train_step = train_step
+        self.eval_step = eval_step
+        self.hooks = list(hooks)
+
+        model.to(self.env.device)
+        if config.channels_last:
+            model.to(memory_format=torch.channels_last)
+        self.model = model  # the bare module: evaluation, checkpoints
+        self.combiner = combiner if combiner is not None else AverageCombiner()
+        self.forward_model = self.combiner.prepare(model, self.env)  # what train_step gets
+
+        self.autocast_dtype = _PRECISIONS[config.precision]
+        self.scaler = (
+            torch.amp.GradScaler(self.env.device.type) if config.precision == "fp16" else None
+        )
+
+        # Progress; all of it is checkpointed.
+        self.epoch = 0  # the epoch being trained (0-based)
+        self.global_step = 0  # optimizer steps done
+        self.epoch_samples = 0  # global samples of this epoch already consumed
+        self.epoch_step = 0  # optimizer steps done in this epoch
+        self._interval = _Meter()
+        self._epoch_meter = _Meter()
+        self._epoch_seconds = 0.0  # training time of this epoch before a resume
+        self._epoch_clock: tuple[float, float] | None = None  # (start, paused) while training
+        self.last_eval: dict[str, float] = {}
+        self.last_epoch: dict[str, float] = {}
+
+        self._paused = 0.0  # seconds spent evaluating and saving (excluded from speed)
+        self._last_saved_step: int | None = None
+        self.env.seed_everything(config.seed)
+
+    # ======================================================================================
+    # fit
+    # ======================================================================================
+    def fit(
+        self,
+        train_dataset: Dataset,
+        eval_dataset: Dataset | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> dict[str, float]:
+        """Train until ``config.epochs`` (or ``config.max_steps``); returns the final metrics."""
+        cfg, env = self.config, self.env
+        sampler = self._train_sampler(len(train_dataset))  # type: ignore[arg-type]
+        loader = self._loader(train_dataset, sampler, collate_fn, persistent=True)
+        fit_start = time.perf_counter()
+        self._call_hooks("on_train_start")
+
+        while self.epoch < cfg.epochs and not self._reached_max_steps():
+            epoch = self.epoch
+            sampler.set_epoch(epoch, start=self.epoch_samples)
+            self._check_epoch_batches(sampler)
+            micro_sizes = sampler.global_batch_sizes()  # global samples of each micro-batch
+            self._call_hooks("on_epoch_start", epoch)
+            self.forward_model.train()
+
+            self._epoch_clock = (time.perf_counter(), self._paused)
+            interval_start, interval_paused = self._epoch_clock
+            epoch_samples, interval_samples = 0, 0
+            step_samples, group = 0, cfg.grad_accum_steps
+            bar = progress_bar(
+                loader,
+                total=len(micro_sizes),
+                desc=f"Epoch {epoch}",
+                enabled=cfg.progress and env.is_main,
+            )
+            finished_epoch = True
+            for j, batch in enumerate(bar):
+                # ---- one micro-step: forward + backward, no gradient sync unless last -------
+                if j % cfg.grad_accum_steps == 0:  # the last step of an epoch may be shorter
+                    group = min(cfg.grad_accum_steps, len(micro_sizes) - j)
+                last_micro = j % cfg.grad_accum_steps == group - 1
+                batch = self._to_device(batch)
+                sync = contextlib.nullcontext() if last_micro else self.combiner.no_sync()
+                with sync:
+                    with self._autocast():
+                        loss, metrics = self.train_step(self.forward_model, batch)
+                    self._backward(loss if group == 1 else loss / group)
+                self._interval.update(metrics, loss)
+                self._epoch_meter.update(metrics, loss)
+                step_samples += micro_sizes[j]
+                if not last_micro:
+                    continue
+
+                # ---- the optimizer step --------------------------------------------------
+                lr = self._optimizer_step()
+                self.global_step += 1
+                self.epoch_step += 1
+                self.epoch_samples += step_samples
+                epoch_samples += step_samples
+                interval_samples += step_samples
+                step_samples = 0
+                self._call_hooks("on_step_end", self.global_step)
+
+                if cfg.log_interval and self.epoch_step % cfg.log_interval == 0:
+                    loss_mean, means = self._interval.reduce(env)  # syncs: honest timing
+                    seconds = _elapsed(interval_start, interval_paused, self._paused)
+                    self.logger.step(
+                        epoch=epoch,
+                        batch=self.epoch_step - 1,
+                        step=self.global_step,
+                        loss=loss_mean,
+                        lr=lr,
+                        samples_per_sec=interval_samples / max(seconds, 1e-9),
+                        **means,
+                        **self.combiner.metrics(),
+                    )
+                    self._interval = _Meter()
+                    interval_start, interval_paused, interval_samples = (
+                        time.perf_counter(),
+                        self._paused,
+                        0,
+                    )
+                if cfg.eval_interval_steps and self.global_step % cfg.eval_interval_steps == 0:
+                    self._evaluate_and_log(eval_dataset, collate_fn)
+                if cfg.save_interval_steps and self.global_step % cfg.save_interval_steps == 0:
+                    self._save_named("latest.pt")
+                if self._reached_max_steps():
+                    finished_epoch = j == len(micro_sizes) - 1
+                    break
+
+            epoch_seconds = self._epoch_elapsed()
+            self._epoch_clock = None
+            if not finished_epoch:
+                self._epoch_seconds = epoch_seconds
+                break
+            self._end_epoch(epoch, epoch_seconds, epoch_samples, eval_dataset, collate_fn)
+
+        if cfg.save_dir and not self._saved_at_current_step():
+            self._save_named("latest.pt")
+        total_time = time.perf_counter() - fit_start
+        final = dict(self.last_eval)
+        if "loss" in self.last_epoch:
+            final["train_loss"] = self.last_epoch["loss"]
+        self.logger.end(total_time=total_time, steps=self.global_step, epochs=self.epoch, **final)
+        self._call_hooks("on_train_end", final)
+        return final
+
+    def _end_epoch(
+        self,
+        epoch: int,
+        seconds: float,
+        samples: int,
+        eval_dataset: Dataset | None,
+        collate_fn: Callable[[list[Any]], Any] | None,
+    ) -> None:
+        """Epoch record, evaluation, then the checkpoint of the next epoch's start."""
+        cfg = self.config
+        loss, means = self._epoch_meter.reduce(self.env)
+        self.last_epoch = {"loss": loss, **means}
+        run_seconds = seconds - self._epoch_seconds  # this process's share, for the speed
+        self.logger.epoch(
+            epoch=epoch,
+            loss=loss,
+            samples_per_sec=samples / max(run_seconds, 1e-9),
+            time_cost=seconds,
+            **means,
+        )
+        self._call_hooks("on_epoch_end", epoch, dict(self.last_epoch))
+        if cfg.eval_interval and (epoch + 1) % cfg.eval_interval == 0:
+            self._evaluate_and_log(eval_dataset, collate_fn)
+
+        self.epoch = epoch + 1
+        self.epoch_samples = 0
+        self.epoch_step = 0
+        self._epoch_seconds = 0.0
+        self._interval = _Meter()
+        self._epoch_meter = _Meter()
+        if cfg.save_dir and cfg.save_frequency and (epoch + 1) % cfg.save_frequency == 0:
+            self._save_named(f"epoch{epoch}.pt", also_latest=True, record_epoch=epoch)
+
+    # ======================================================================================
+    # the pieces of a step
+    # ======================================================================================
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.env.device.type, dtype=self.autocast_dtype)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def _optimizer_step(self) -> float:
+        """Combine, unscale, clip, set the lr, step, update the scaler; returns the lr."""
+        self.combiner.reduce_gradients(self.scaler)
+        if self.config.clip_grad_norm is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
+        lr = self._apply_lr()
+        self.combiner.step(self.optimizer, self.scaler)
+        if self.scaler is not None:
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if isinstance(self.lr_schedule, torch.optim.lr_scheduler.LRScheduler):
+            self.lr_schedule.step()
+        return lr
+
+    def _apply_lr(self) -> float:
+        """Set every group's lr for the coming step; returns the base lr (for the logs)."""
+        schedule = self.lr_schedule
+        if schedule is None:
+            return float(self.optimizer.param_groups[0]["lr"])
+        if isinstance(schedule, torch.optim.lr_scheduler.LRScheduler):
+            return float(schedule.get_last_lr()[0])
+        lr = float(schedule(self.global_step))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+        return lr
+
+    def _to_device(self, batch: Any) -> Any:
+        device, channels_last = self.env.device, self.config.channels_last
+        if device.type == "cpu" and not channels_last:
+            return batch
+
+        def move(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                x = x.to(device, non_blocking=True)
+                if channels_last and x.dim() == 4 and x.is_floating_point():
+                    x = x.contiguous(memory_format=torch.channels_last)
+                return x
+            if isinstance(x, Mapping):
+                return type(x)({k: move(v) for k, v in x.items()})  # type: ignore[call-arg]
+            if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+                return type(x)(*(move(v) for v in x))
+            if isinstance(x, (list, tuple)):
+                return type(x)(move(v) for v in x)
+            return x
+
+        return move(batch)
+
+    def _call_hooks(self, name: str, *args: Any) -> None:
+        for hook in self.hooks:
+            fn = getattr(hook, name, None)
+            if fn is not None:
+                fn(self, *args)
+
+    def _epoch_elapsed(self) -> float:
+        """Training seconds of the current epoch, across resumes, without eval/saving."""
+        if self._epoch_clock is None:
+            return self._epoch_seconds
+        return self._epoch_seconds + _elapsed(*self._epoch_clock, self._paused)
+
+    def _reached_max_steps(self) -> bool:
+        return self.config.max_steps is not None and self.global_step >= self.config.max_steps
+
+    # ======================================================================================
+    # data
+    # ======================================================================================
+    def _train_sampler(self, num_samples: int) -> ShardedSampler:
+        return ShardedSampler(
+            num_samples,
+            batch_size=self.config.batch_size,
+            world_size=self.env.world_size,
+            rank=self.env.rank,
+            seed=self.config.seed,
+            epoch=self.epoch,
+            start=min(self.epoch_samples, num_samples),
+            drop_last=self.config.drop_last,
+            shuffle=self.config.shuffle,
+        )
+
+    def _check_epoch_batches(self, sampler: ShardedSampler) -> None:
+        sizes = sampler.global_batch_sizes()
+        if not sizes and self.epoch_samples == 0:
+            raise ValueError(
+                f"the training set has {sampler.num_samples} samples, fewer than one global "
+                f"batch ({sampler.global_batch_size} = batch_size {sampler.batch_size} x "
+                f"world_size {sampler.world_size}); lower the batch size or set drop_last=False"
+            )
+        if sizes and sizes[-1] < self.env.world_size:
+            raise ValueError(
+                f"the last batch of epoch {sampler.epoch} has {sizes[-1]} samples for "
+                f"{self.env.world_size} ranks, so some rank would get none; set drop_last=True "
+                "or change the batch size"
+            )
+
+    def _loader(
+        self,
+        dataset: Dataset,
+        sampler: ShardedSampler,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        persistent: bool,
+    ) -> DataLoader:
+        workers = self.config.num_workers
+        return DataLoader(
+            SeededDataset(dataset, self.config.seed),
+            batch_sampler=sampler,
+            num_workers=workers,
+            collate_fn=collate_fn,
+            pin_memory=self.env.device.type == "cuda",
+            persistent_workers=persistent and workers > 0,
+            # Its own generator: creating an iterator must not draw from the global RNG.
+            generator=torch.Generator().manual_seed(derive_seed(self.config.seed, self.env.rank)),
+        )
+
+    # ======================================================================================
+    # evaluation
+    # ======================================================================================
+    @torch.no_grad()
+    def evaluate(
+        self, dataset: Dataset, collate_fn: Callable[[list[Any]], Any] | None = None
+    ) -> dict[str, float]:
+        """Run ``eval_step`` over ``dataset`` (each sample exactly once across ranks).
+
+        Returns the all-reduced sums turned into means (the ``"count"`` rule). Training
+        randomness is untouched: the RNG state is restored afterwards.
+        """
+        if self.eval_step is None:
+            raise ValueError("evaluation needs an eval_step; pass eval_step= to the Trainer")
+        env = self.env
+        sampler = ShardedSampler(
+            len(dataset),  # type: ignore[arg-type]
+            batch_size=self.config.eval_batch_size or self.config.batch_size,
+            world_size=env.world_size,
+            rank=env.rank,
+            seed=self.config.seed,
+            drop_last=False,
+            shuffle=False,
+        )
+        loader = self._loader(dataset, sampler, collate_fn, persistent=False)
+        meter = _Meter()
+        was_training = self.model.training
+        self.model.eval()
+        cuda_devices = [env.device.index] if env.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=cuda_devices):
+                for batch in loader:
+                    with self._autocast():
+                        meter.update(self.eval_step(self.model, self._to_device(batch)))
+        finally:
+            self.model.train(was_training)
+        keys = sorted({k for ks in env.all_gather_object(sorted(meter.sums)) for k in ks})
+        return meter.reduce(env, keys)[1]
+
+    def _evaluate_and_log(
+        self, dataset: Dataset | None, collate_fn: Callable[[list[Any]], Any] | None
+    ) -> None:
+        if dataset is None or self.eval_step is None:
+            return
+        start = time.perf_counter()
+        metrics = self.evaluate(dataset, collate_fn)
+        self.last_eval = metrics
+        self.logger.eval(epoch=self.epoch, step=self.global_step, **metrics)
+        self._call_hooks("on_eval_end", dict(metrics))
+        self._paused += time.perf_counter() - start
+
+    # ======================================================================================
+    # checkpoints
+    # ======================================================================================
+    def state_dict(self) -> dict[str, Any] | None:
+        """Everything needed to continue; a collective (every rank calls it).
+
+        Returns the state on rank 0 and ``None`` elsewhere: per-rank parts (RNG states,
+        combiner state, partial metric sums) are gathered to rank 0.
+        """
+        rank_state = {
+            "rng": _rng_state(),
+            "combiner": self.combiner.state_dict(),
+            "interval": self._interval.state_dict(),
+            "epoch_meter": self._epoch_meter.state_dict(),
+        }
+        ranks = self.env.gather_object(rank_state)
+        if not self.env.is_main:
+            return None
+        schedule = self.lr_schedule
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_schedule": schedule.state_dict() if hasattr(schedule, "state_dict") else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "epoch": self.epoch,
+            "step": self.global_step,
+            "epoch_samples": self.epoch_samples,
+            "epoch_step": self.epoch_step,
+            "epoch_seconds": self._epoch_elapsed(),
+            "world_size": self.env.world_size,
+            "config": dataclasses.asdict(self.config),
+            "hooks": [h.state_dict() if hasattr(h, "state_dict") else None for h in self.hooks],
+            "ranks": ranks,
+            "last_eval": dict(self.last_eval),
+            "last_epoch": dict(self.last_epoch),
+        }
+
+    def save_checkpoint(
+        self, path: str | Path, *more_paths: str | Path, record_epoch: int | None = None
+    ) -> Path:
+        """Write the checkpoint atomically to each path (rank 0 only) and log it.
+
+        A collective: every rank must call it. ``record_epoch`` is the epoch written in the
+        ``checkpoint`` log record (default: the epoch in progress, or the one just finished
+        when the checkpoint falls between epochs).
+        """
+        start = time.perf_counter()
+        state = self.state_dict()
+        if state is not None:
+            epoch = record_epoch
+            if epoch is None:
+                between = self.epoch_samples == 0 and self.epoch > 0
+                epoch = self.epoch - 1 if between else self.epoch
+            for p in (path, *more_paths):
+                save_checkpoint(p, state)
+                self.logger.checkpoint(epoch=epoch, step=self.global_step, path=p)
+        self.env.barrier()
+        self._last_saved_step = self.global_step
+        self._paused += time.perf_counter() - start
+        return Path(path)
+
+    def _save_named(
+        self, name: str, *, also_latest: bool = False, record_epoch: int | None = None
+    ) -> None:
+        assert self.config.save_dir is not None
+        save_dir = Path(self.config.save_dir)
+        more = [save_dir / "latest.pt"] if also_latest else []
+        self.save_checkpoint(save_dir / name, *more, record_epoch=record_epoch)
+
+    def _saved_at_current_step(self) -> bool:
+        return self._last_saved_step == self.global_step
+
+    def resume(self, path: str | Path) -> None:
+        """Load a checkpoint written by :meth:`save_checkpoint`; call before :meth:`fit`.
+
+        Every rank reads the file. With the same world size each rank gets back its own RNG
+        states, combiner state and partial sums, and the run continues bit-for-bit (CPU).
+        With another world size the RNGs are reseeded from ``(seed, step)``, the combiner
+        starts fresh, and the rest of the epoch's samples are re-split over the new ranks.
+        """
+        state = load_checkpoint(path)
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(
+                f"checkpoint {str(path)!r} has format {state.get('format')!r}, this trainer "
+                f"reads format {CHECKPOINT_FORMAT}"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state["lr_schedule"] is not None and hasattr(self.lr_schedule, "load_state_dict"):
+            self.lr_schedule.load_state_dict(state["lr_schedule"])  # type: ignore[union-attr]
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.epoch = int(state["epoch"])
+        self.global_step = int(state["step"])
+        self.epoch_samples = int(state["epoch_samples"])
+        self.epoch_step = int(state["epoch_step"])
+        self._epoch_seconds = float(state["epoch_seconds"])
+        self.last_eval = dict(state["last_eval"])
+        self.last_epoch = dict(state["last_epoch"])
+        for hook, hook_state in zip(self.hooks, state["hooks"], strict=False):
+            if hook_state is not None and hasattr(hook, "load_state_dict"):
+                hook.load_state_dict(hook_state)
+
+        ranks = state["ranks"]
+        if int(state["world_size"]) == self.env.world_size:
+            own = ranks[self.env.rank]
+            _set_rng_state(own["rng"], self.env.device)
+            self.combiner.load_state_dict(own["combiner"])
+            self._interval.load_state_dict(own["interval"])
+            self._epoch_meter.load_state_dict(own["epoch_meter"])
+        else:
+            self.env.seed_everything(derive_seed(self.config.seed, self.global_step) % 2**31)
+            keep = self.env.is_main
+            self._interval.load_state_dict(_Meter.merged([r["interval"] for r in ranks], keep))
+            self._epoch_meter.load_state_dict(
+                _Meter.merged([r["epoch_meter"] for r in ranks], keep)
+            )
+        self._last_saved_step = self.global_step
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _elapsed(start: float, paused_at_start: float, paused_now: float) -> float:
+    """Wall time since ``start`` minus the evaluation/saving time spent meanwhile."""
+    return time.perf_counter() - start - (paused_now - paused_at_start)
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's RNG states in types ``torch.load(weights_only=True)`` accepts."""
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    version, mt, gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+        "numpy": {
+            "keys": keys.tolist(),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "python": {"version": version, "state": list(mt), "gauss": gauss},
+    }
+
+
+def _set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and device.type == "cuda":
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np_state = state["numpy"]
+    np.random.set_state(
+        (
+            "MT19937",
+            np.asarray(np_state["keys"], dtype=np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
