@@ -1,0 +1,391 @@
+"""Train an image classifier from the zoo: GluonCV's train_imagenet.py on the shared Trainer.
+
+With no data flags it trains on scikit-learn's real handwritten digits (written once as an
+ImageNet-layout folder in the cache, with a held-out split) and prints the held-out top-1:
+
+    python scripts/train_imagenet.py
+
+ImageNet, as GluonCV users know it (flag names are GluonCV's):
+
+    python scripts/train_imagenet.py --data-dir ~/imagenet --model resnest50 \
+        --batch-size 128 --num-epochs 270 --lr 0.05 --lr-mode cosine --warmup-epochs 5 \
+        --no-wd --last-gamma --label-smoothing 0.1 --mixup --mixup-alpha 0.2 \
+        --dropblock-prob 0.1 --dtype bfloat16 -j 8 --save-dir runs/resnest50
+
+The same command under ``torchrun --nproc-per-node 8 [--nnodes ...]`` trains data-parallel
+(``--batch-size`` is per worker). Every run writes a JSON Lines run log (``--run-log``) that
+``scripts/reproduce.py`` can rerun and compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import modelzoo
+from modelzoo.vision.data import ImageFolder, RecordIODataset, digits_imagefolder
+from modelzoo.vision.splat import set_dropblock_prob
+from modelzoo.vision.transforms import eval_transforms, train_transforms
+from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
+from trainers.cli import (
+    add_distributed_args,
+    add_optimizer_args,
+    add_schedule_args,
+    build_combiner,
+    build_optimizer,
+    build_schedule,
+)
+
+# The built-in default: what a newcomer gets with no data flags.
+DIGITS_DEFAULTS = dict(
+    model="resnest14",
+    input_size=32,
+    crop_ratio=1.0,
+    batch_size=64,
+    num_epochs=8,
+    lr=0.1,
+    warmup_epochs=1,
+    rgb_mean="127.5,127.5,127.5",
+    rgb_std="127.5,127.5,127.5",
+    jitter=0.0,
+    lighting=0.0,
+    min_random_area=0.6,
+    log_interval=10,
+)
+IMAGENET_DEFAULTS = dict(
+    model="resnest50",
+    input_size=224,
+    crop_ratio=0.875,
+    batch_size=32,
+    num_epochs=120,
+    lr=0.1,
+    warmup_epochs=0,
+    rgb_mean="123.68,116.779,103.939",
+    rgb_std="58.393,57.12,57.375",
+    jitter=0.4,
+    lighting=0.1,
+    min_random_area=0.08,
+    log_interval=50,
+)
+DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Train an image classifier from the model zoo (GluonCV-compatible flags).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = p.add_argument_group("data (none given: the built-in handwritten digits)")
+    d.add_argument(
+        "--data-dir", type=str, default=None, help="ImageNet layout: train/<class>/*, val/<class>/*"
+    )
+    d.add_argument("--use-rec", action="store_true", help="read MXNet RecordIO files instead")
+    d.add_argument("--rec-train", type=str, default=None)
+    d.add_argument("--rec-train-idx", type=str, default=None)
+    d.add_argument("--rec-val", type=str, default=None)
+    d.add_argument("--rec-val-idx", type=str, default=None)
+    d.add_argument("-j", "--num-data-workers", dest="num_workers", type=int, default=2)
+    d.add_argument("--input-size", type=int, default=None, help="224 for ImageNet, 32 for digits")
+    d.add_argument("--crop-ratio", type=float, default=None, help="eval resize = input / crop")
+    d.add_argument("--rgb-mean", type=str, default=None, help="0-255 units, comma separated")
+    d.add_argument("--rgb-std", type=str, default=None, help="0-255 units, comma separated")
+    d.add_argument("--jitter", type=float, default=None, help="colour jitter (GluonCV: 0.4)")
+    d.add_argument("--lighting", type=float, default=None, help="PCA lighting std (GluonCV: 0.1)")
+    d.add_argument(
+        "--min-random-area", type=float, default=None, help="random-resized-crop lower area"
+    )
+    d.add_argument(
+        "--skip-bad-images",
+        action="store_true",
+        help="skip unreadable images, count and report them",
+    )
+
+    m = p.add_argument_group("model")
+    m.add_argument("--model", type=str, default=None, help="a name from modelzoo.list_models()")
+    m.add_argument("--use-pretrained", action="store_true", help="start from published weights")
+    m.add_argument(
+        "--last-gamma", action="store_true", help="zero-init the last BN gamma of each block"
+    )
+    m.add_argument(
+        "--dropblock-prob", type=float, default=0.0, help="DropBlock, ramped linearly over training"
+    )
+    m.add_argument("--final-drop", type=float, default=0.0, help="dropout before the classifier")
+    m.add_argument("--resume", type=str, default=None, help="checkpoint to continue from")
+    m.add_argument(
+        "--teacher", type=str, default=None, help="distil from this pretrained zoo model"
+    )
+    m.add_argument("--temperature", type=float, default=20.0, help="distillation temperature")
+    m.add_argument(
+        "--hard-weight",
+        type=float,
+        default=0.5,
+        help="weight of the hard-label loss when distilling",
+    )
+
+    add_optimizer_args(p, default="nag")
+    add_schedule_args(p, default="cosine")
+    add_distributed_args(p)
+    o = p.add_argument_group("training")
+    o.add_argument("--batch-size", type=int, default=None, help="per worker")
+    o.add_argument("--num-epochs", type=int, default=None)
+    o.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
+    o.add_argument(
+        "--label-smoothing",
+        type=float,
+        default=0.0,
+        help="GluonCV passes it as a flag; here a value, e.g. 0.1",
+    )
+    o.add_argument("--mixup", action="store_true")
+    o.add_argument("--mixup-alpha", type=float, default=0.2)
+    o.add_argument("--mixup-off-epoch", type=int, default=0, help="no mixup in the last N epochs")
+    o.add_argument("--dtype", type=str, default="float32", choices=sorted(DTYPES))
+    o.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    o.add_argument("--clip-grad-norm", type=float, default=None)
+    o.add_argument("--channels-last", action="store_true")
+    o.add_argument("--seed", type=int, default=0)
+
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument(
+        "--log-interval", type=int, default=None, help="optimizer steps between log lines"
+    )
+    g.add_argument(
+        "--save-frequency", type=int, default=0, help="epochs between checkpoints (0: last only)"
+    )
+    g.add_argument("--save-dir", type=str, default=None)
+    g.add_argument(
+        "--logging-file", type=str, default=None, help="also write the console lines here"
+    )
+    g.add_argument(
+        "--run-log",
+        type=str,
+        default=None,
+        help="JSON Lines run log (default: <save-dir>/run.jsonl)",
+    )
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+
+    digits = args.data_dir is None and not args.use_rec
+    for key, value in (DIGITS_DEFAULTS if digits else IMAGENET_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.dataset = "digits" if digits else ("recordio" if args.use_rec else "folder")
+    if args.use_rec and not (args.rec_train and args.rec_train_idx):
+        p.error(
+            "--use-rec needs --rec-train and --rec-train-idx (and --rec-val/--rec-val-idx to evaluate)"
+        )
+    if args.dtype not in DTYPES:
+        p.error(f"--dtype must be one of {sorted(DTYPES)}")
+    return args
+
+
+def _floats(text: str, flag: str) -> tuple[float, float, float]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise SystemExit(f"{flag}: expected three comma-separated numbers, got {text!r}") from None
+    if len(values) != 3:
+        raise SystemExit(f"{flag}: expected three comma-separated numbers, got {text!r}")
+    return values  # type: ignore[return-value]
+
+
+def build_datasets(args: argparse.Namespace) -> tuple[Any, Any, int]:
+    mean = _floats(args.rgb_mean, "--rgb-mean")
+    std = _floats(args.rgb_std, "--rgb-std")
+    train_tf = train_transforms(
+        args.input_size, mean=mean, std=std, jitter=args.jitter, lighting=args.lighting,
+        scale=(args.min_random_area, 1.0),
+    )  # fmt: skip
+    eval_tf = eval_transforms(args.input_size, crop_ratio=args.crop_ratio, mean=mean, std=std)
+    if args.dataset == "recordio":
+        train = RecordIODataset(
+            args.rec_train, args.rec_train_idx, train_tf, skip_bad=args.skip_bad_images
+        )
+        val = None
+        if args.rec_val:
+            if not args.rec_val_idx:
+                raise SystemExit("--rec-val needs --rec-val-idx")
+            val = RecordIODataset(
+                args.rec_val, args.rec_val_idx, eval_tf, skip_bad=args.skip_bad_images
+            )
+        labels = (
+            {int(train.label(i)) for i in range(len(train))} if hasattr(train, "label") else None
+        )
+        num_classes = (max(labels) + 1) if labels else 1000
+        return train, val, num_classes
+    root = digits_imagefolder() if args.dataset == "digits" else Path(args.data_dir).expanduser()
+    train = ImageFolder(root / "train", train_tf, skip_bad=args.skip_bad_images)
+    val_dir = root / "val"
+    val = ImageFolder(val_dir, eval_tf, skip_bad=args.skip_bad_images) if val_dir.is_dir() else None
+    if val is not None and val.classes != train.classes:
+        raise SystemExit(f"{val_dir}: class folders differ from {root / 'train'}'s")
+    return train, val, len(train.classes)
+
+
+def smooth_one_hot(labels: torch.Tensor, num_classes: int, smoothing: float) -> torch.Tensor:
+    off = smoothing / num_classes
+    return torch.full((labels.shape[0], num_classes), off, device=labels.device).scatter_(
+        1, labels[:, None], 1.0 - smoothing + off
+    )
+
+
+class ImageClassificationTask:
+    """The per-batch work of image classification: mixup, smoothing, distillation, metrics."""
+
+    def __init__(self, args: argparse.Namespace, num_classes: int, teacher: torch.nn.Module | None):
+        self.args = args
+        self.num_classes = num_classes
+        self.teacher = teacher
+        self.trainer: Trainer | None = None
+
+    def mixup_active(self) -> bool:
+        epoch = self.trainer.epoch if self.trainer is not None else 0
+        return self.args.mixup and epoch < self.args.num_epochs - self.args.mixup_off_epoch
+
+    def train_step(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        images, labels = batch
+        targets = smooth_one_hot(labels, self.num_classes, self.args.label_smoothing)
+        dominant = labels
+        if self.mixup_active():
+            lam = float(
+                torch.distributions.Beta(self.args.mixup_alpha, self.args.mixup_alpha).sample()
+            )
+            perm = torch.arange(
+                images.shape[0] - 1, -1, -1, device=images.device
+            )  # GluonCV: reversed batch
+            images = lam * images + (1 - lam) * images[perm]
+            targets = lam * targets + (1 - lam) * targets[perm]
+            dominant = labels if lam >= 0.5 else labels[perm]
+        logits = model(images)
+        loss = torch.sum(-targets * F.log_softmax(logits.float(), dim=1), dim=1).mean()
+        if self.teacher is not None:
+            t = self.args.temperature
+            with torch.no_grad():
+                soft = F.softmax(self.teacher(images).float() / t, dim=1)
+            distill = (
+                F.kl_div(F.log_softmax(logits.float() / t, dim=1), soft, reduction="batchmean")
+                * t
+                * t
+            )
+            loss = self.args.hard_weight * loss + (1 - self.args.hard_weight) * distill
+        correct = (logits.argmax(dim=1) == dominant).sum()
+        return loss, {"accuracy": correct, "count": labels.shape[0]}
+
+    def eval_step(self, model: torch.nn.Module, batch: Any) -> dict[str, Any]:
+        images, labels = batch
+        logits = model(images).float()
+        top5 = logits.topk(min(5, self.num_classes), dim=1).indices
+        hits = top5 == labels[:, None]
+        return {
+            "top1": hits[:, 0].sum(),
+            "top5": hits.any(dim=1).sum(),
+            "loss": F.cross_entropy(logits, labels, reduction="sum"),
+            "count": labels.shape[0],
+        }
+
+
+class DropBlockRamp:
+    """Ramps DropBlock linearly from 0 at the first epoch to its maximum at the last (GluonCV)."""
+
+    def __init__(self, model: torch.nn.Module, epochs: int) -> None:
+        self.model, self.epochs = model, epochs
+
+    def on_epoch_start(self, trainer: Trainer, epoch: int) -> None:
+        set_dropblock_prob(self.model, min(1.0, epoch / max(1, self.epochs - 1)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = DistEnv.from_env()
+    command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    run_log = args.run_log or (str(Path(args.save_dir) / "run.jsonl") if args.save_dir else None)
+    logger = RunLogger(run_log, enabled=env.is_main, logging_file=args.logging_file)
+    logger.info(f"Namespace({', '.join(f'{k}={v!r}' for k, v in sorted(vars(args).items()))})")
+    logger.write(make_header(command, args.seed, env.world_size, args))
+
+    train_set, val_set, num_classes = build_datasets(args)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank and every rerun
+    model = modelzoo.get_model(
+        args.model,
+        pretrained=args.use_pretrained,
+        num_classes=num_classes,
+        progress=env.is_main,
+        **_model_options(args),
+    )
+    teacher = None
+    if args.teacher:
+        teacher = modelzoo.get_model(args.teacher, pretrained=True, num_classes=num_classes).eval()
+        teacher.to(env.device).requires_grad_(False)
+
+    optimizer = build_optimizer(args, model)
+    global_batch = args.batch_size * args.accumulate * env.world_size
+    steps_per_epoch = len(train_set) // global_batch
+    if steps_per_epoch < 1:
+        raise SystemExit(
+            f"{len(train_set)} training images are fewer than one global batch of {global_batch} "
+            "(--batch-size x --accumulate x workers); lower --batch-size"
+        )
+    schedule = build_schedule(args, steps_per_epoch=steps_per_epoch, epochs=args.num_epochs)
+    config = TrainerConfig(
+        epochs=args.num_epochs,
+        max_steps=args.max_steps,
+        batch_size=args.batch_size,
+        grad_accum_steps=args.accumulate,
+        precision=DTYPES[args.dtype],
+        clip_grad_norm=args.clip_grad_norm,
+        log_interval=args.log_interval,
+        save_dir=args.save_dir,
+        save_frequency=args.save_frequency,
+        num_workers=args.num_workers,
+        seed=args.seed,
+        channels_last=args.channels_last,
+        progress=not args.no_progress,
+    )
+    task = ImageClassificationTask(args, num_classes, teacher)
+    hooks = [DropBlockRamp(model, args.num_epochs)] if args.dropblock_prob > 0 else []
+    trainer = Trainer(
+        model, optimizer, config, env=env, logger=logger, lr_schedule=schedule,
+        train_step=task.train_step, eval_step=task.eval_step if val_set is not None else None,
+        combiner=build_combiner(args, env), hooks=hooks,
+    )  # fmt: skip
+    task.trainer = trainer
+    if args.resume:
+        trainer.resume(args.resume)
+
+    start = time.perf_counter()
+    metrics = trainer.fit(train_set, eval_dataset=val_set)
+    if env.is_main:
+        for ds, name in ((train_set, "train"), (val_set, "val")):
+            report = getattr(ds, "report", None)
+            if ds is not None and report is not None and ds.bad_files:
+                logger.info(f"[{name}] {report()}")
+        if val_set is not None and "top1" in trainer.last_eval:
+            top1 = trainer.last_eval["top1"]
+            logger.info(
+                f"Held-out top-1 accuracy: {top1:.4f} ({len(val_set)} images, "
+                f"{time.perf_counter() - start:.1f} s)"
+            )
+    logger.close()
+    env.destroy()
+    return 0 if all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)) else 1
+
+
+def _model_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if args.last_gamma:
+        options["last_gamma"] = True
+    if args.dropblock_prob > 0:
+        options["dropblock_prob"] = args.dropblock_prob
+    if args.final_drop > 0:
+        options["final_drop"] = args.final_drop
+    return options
+
+
+if __name__ == "__main__":
+    sys.exit(main())

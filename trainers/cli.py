@@ -1,0 +1,126 @@
+"""Command-line flags shared by every training script, and what they build.
+
+Each script calls :func:`add_optimizer_args`, :func:`add_schedule_args` and
+:func:`add_distributed_args` on its parser, then :func:`build_optimizer`,
+:func:`build_schedule` and :func:`build_combiner` with the parsed namespace, so a flag added
+here (a new optimizer's hyperparameter, a new gradient combiner) reaches every script.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from torch import nn
+
+from .combine import AverageCombiner, GradCombiner
+from .dist import DistEnv
+from .optim import create_optimizer, list_optimizers
+from .schedules import SCHEDULE_MODES, LRSchedule, create_schedule
+
+__all__ = [
+    "GRAD_COMBINE_CHOICES",
+    "add_distributed_args",
+    "add_optimizer_args",
+    "add_schedule_args",
+    "build_combiner",
+    "build_optimizer",
+    "build_schedule",
+]
+
+GRAD_COMBINE_CHOICES = ("average",)
+
+
+def add_optimizer_args(
+    parser: argparse.ArgumentParser, *, default: str = "nag", lr: float | None = None
+) -> None:
+    """``--optimizer`` and the hyperparameters of every registered optimizer."""
+    g = parser.add_argument_group("optimizer")
+    g.add_argument(
+        "--optimizer", type=str.lower, default=default, help=f"one of {list_optimizers()}"
+    )
+    g.add_argument("--lr", type=float, default=lr, help="base learning rate")
+    g.add_argument("--momentum", type=float, default=0.9, help="sgd/nag momentum")
+    g.add_argument("--wd", type=float, default=1e-4, help="weight decay")
+    g.add_argument(
+        "--no-wd", action="store_true", help="no weight decay on bias and norm parameters"
+    )
+    g.add_argument("--beta1", type=float, default=0.9, help="adam-family first-moment decay")
+    g.add_argument("--beta2", type=float, default=0.999, help="adam-family second-moment decay")
+    g.add_argument(
+        "--epsilon",
+        type=float,
+        default=None,
+        help="adam-family epsilon (optimizer default if unset)",
+    )
+
+
+def optimizer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments for :func:`trainers.optim.create_optimizer` from parsed flags."""
+    kwargs: dict[str, Any] = dict(
+        lr=args.lr,
+        weight_decay=args.wd,
+        momentum=args.momentum,
+        no_wd=args.no_wd,
+        betas=(args.beta1, args.beta2),
+    )
+    if args.epsilon is not None:
+        kwargs["eps"] = args.epsilon
+    return kwargs
+
+
+def build_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
+    return create_optimizer(args.optimizer, model, **optimizer_kwargs(args))
+
+
+def add_schedule_args(parser: argparse.ArgumentParser, *, default: str = "cosine") -> None:
+    """GluonCV's learning-rate flags (per-iteration schedules)."""
+    g = parser.add_argument_group("learning-rate schedule")
+    g.add_argument("--lr-mode", type=str, default=default, choices=SCHEDULE_MODES)
+    g.add_argument("--lr-decay", type=float, default=0.1, help="step mode: decay factor")
+    g.add_argument("--lr-decay-epoch", type=str, default="40,60", help="step mode: epochs")
+    g.add_argument(
+        "--lr-decay-power", type=float, default=2.0, help="poly / warmup_const_poly power"
+    )
+    g.add_argument("--warmup-lr", type=float, default=0.0, help="lr at the start of warmup")
+    g.add_argument("--warmup-epochs", type=float, default=None, help="linear warmup length")
+    g.add_argument(
+        "--const-epochs", type=float, default=0.0, help="warmup_const_poly: constant phase"
+    )
+    g.add_argument("--final-lr", type=float, default=0.0, help="lr at the end (cosine/poly/linear)")
+
+
+def build_schedule(args: argparse.Namespace, *, steps_per_epoch: int, epochs: int) -> LRSchedule:
+    decay = tuple(int(e) for e in args.lr_decay_epoch.split(",") if e.strip())
+    return create_schedule(
+        args.lr_mode,
+        base_lr=args.lr,
+        total_steps=steps_per_epoch * epochs,
+        warmup_steps=round(steps_per_epoch * (args.warmup_epochs or 0)),
+        warmup_lr=args.warmup_lr,
+        steps_per_epoch=steps_per_epoch,
+        decay_epochs=decay if args.lr_mode == "step" else (),
+        decay_factor=args.lr_decay,
+        power=args.lr_decay_power,
+        final_lr=args.final_lr,
+        constant_steps=round(steps_per_epoch * args.const_epochs),
+    )
+
+
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    """How the ranks' gradients are combined (launch with ``torchrun`` for several ranks)."""
+    g = parser.add_argument_group("distributed (launch with torchrun)")
+    g.add_argument(
+        "--grad-combine",
+        type=str.lower,
+        default="average",
+        choices=GRAD_COMBINE_CHOICES,
+        help="how workers combine gradients: average (DistributedDataParallel)",
+    )
+
+
+def build_combiner(args: argparse.Namespace, env: DistEnv) -> GradCombiner:
+    if args.grad_combine == "average":
+        return AverageCombiner()
+    raise ValueError(f"--grad-combine {args.grad_combine!r}: choose one of {GRAD_COMBINE_CHOICES}")
