@@ -91,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--rec-train-idx", type=str, default=None)
     d.add_argument("--rec-val", type=str, default=None)
     d.add_argument("--rec-val-idx", type=str, default=None)
+    d.add_argument("--num-classes", type=int, default=None, help="RecordIO: classes (default 1000)")
     d.add_argument("-j", "--num-data-workers", dest="num_workers", type=int, default=2)
     d.add_argument("--input-size", type=int, default=None, help="224 for ImageNet, 32 for digits")
     d.add_argument("--crop-ratio", type=float, default=None, help="eval resize = input / crop")
@@ -214,10 +215,7 @@ def build_datasets(args: argparse.Namespace) -> tuple[Any, Any, int]:
             val = RecordIODataset(
                 args.rec_val, args.rec_val_idx, eval_tf, skip_bad=args.skip_bad_images
             )
-        labels = (
-            {int(train.label(i)) for i in range(len(train))} if hasattr(train, "label") else None
-        )
-        num_classes = (max(labels) + 1) if labels else 1000
+        num_classes = args.num_classes or 1000
         return train, val, num_classes
     root = digits_imagefolder() if args.dataset == "digits" else Path(args.data_dir).expanduser()
     train = ImageFolder(root / "train", train_tf, skip_bad=args.skip_bad_images)
@@ -225,6 +223,11 @@ def build_datasets(args: argparse.Namespace) -> tuple[Any, Any, int]:
     val = ImageFolder(val_dir, eval_tf, skip_bad=args.skip_bad_images) if val_dir.is_dir() else None
     if val is not None and val.classes != train.classes:
         raise SystemExit(f"{val_dir}: class folders differ from {root / 'train'}'s")
+    if args.num_classes is not None and args.num_classes != len(train.classes):
+        raise SystemExit(
+            f"--num-classes {args.num_classes} disagrees with the {len(train.classes)} class "
+            f"folders in {root / 'train'}"
+        )
     return train, val, len(train.classes)
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import operator
 import os
 import shutil
 import struct
@@ -94,6 +95,8 @@ def _decode_sample(src: Any, transform: Callable[[Any], Any] | None, where: str)
         raise BadImageError(
             f"{where}: not a readable image ({type(err).__name__}: {err}); {_SKIP_HINT}"
         ) from err
+    # No img.close() afterwards: it would destroy the pixels of a returned image that
+    # is `img` itself; the caller closes the underlying file.
     try:
         if transform is not None and getattr(transform, "accepts_lazy_image", False):
             return transform(img)  # decodes in draft mode where the output size allows
@@ -101,8 +104,6 @@ def _decode_sample(src: Any, transform: Callable[[Any], Any] | None, where: str)
         return transform(rgb) if transform is not None else rgb
     except ImageDecodeError as err:
         raise BadImageError(f"{where}: cannot decode image ({err}); {_SKIP_HINT}") from err
-    finally:
-        img.close()
 
 
 class _BadMarks:
@@ -144,6 +145,7 @@ class _SkippingDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         n = len(self)
+        index = operator.index(index)
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for a dataset of {n} samples")
         index %= n
@@ -692,6 +694,9 @@ def _digits_manifest_ok(root: Path) -> bool:
             return False
         total = 0
         for split in ("train", "val"):
+            classes = {e.name for e in os.scandir(root / split) if e.is_dir()}
+            if classes != set(manifest["counts"][split]):
+                return False
             for cls, count in manifest["counts"][split].items():
                 on_disk = [n for n in os.listdir(root / split / cls) if n.endswith(".png")]
                 if len(on_disk) != count:
@@ -724,8 +729,8 @@ def _write_digits(dest: Path) -> None:
             (dest / split / str(c)).mkdir(parents=True, exist_ok=True)
         for i in idx.tolist():
             split = "val" if i in val else "train"
-            img = Image.fromarray(np.kron(images[i], block), mode="L")
-            img.save(dest / split / str(c) / f"{i:04d}.png", optimize=False)
+            img = Image.fromarray(np.kron(images[i], block))  # uint8 (32, 32): mode L
+            img.save(dest / split / str(c) / f"{i:04d}.png", compress_level=1)
             counts[split][str(c)] = counts[split].get(str(c), 0) + 1
     manifest = dict(_DIGITS_PARAMS)
     manifest.update(

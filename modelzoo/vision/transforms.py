@@ -382,14 +382,12 @@ def _require_tensor(x: Any, name: str) -> torch.Tensor:
     return x
 
 
-_GRAY = (0.299, 0.587, 0.114)
+_GRAY = torch.tensor([0.299, 0.587, 0.114])  # ITU-R 601 luma, as MXNet's image ops
 
 
 def _gray(x: torch.Tensor) -> torch.Tensor:
-    """ITU-R 601 luma of a ``(..., 3, H, W)`` tensor, shape ``(..., 1, H, W)``."""
-    return (_GRAY[0] * x[..., 0:1, :, :] + _GRAY[1] * x[..., 1:2, :, :]) + _GRAY[2] * x[
-        ..., 2:3, :, :
-    ]
+    """Luma of a ``(..., 3, H, W)`` tensor, shape ``(..., 1, H, W)``."""
+    return torch.tensordot(x, _GRAY.to(x.dtype), dims=([-3], [0])).unsqueeze(-3)
 
 
 class ColorJitter:
@@ -422,18 +420,23 @@ class ColorJitter:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = _require_tensor(x, "ColorJitter")
         strengths = (self.brightness, self.contrast, self.saturation)
+        owned = False  # the caller's tensor is never modified: copy on the first step
         for op in torch.randperm(3).tolist():
             s = strengths[op]
             if s == 0:
                 continue
             a = _uniform(1.0 - s, 1.0 + s)
-            if op == 0:
-                x = x * a
-            elif op == 1:
-                x = x * a + (1.0 - a) * _gray(x).mean(dim=(-3, -2, -1), keepdim=True)
-            else:
-                x = x * a + (1.0 - a) * _gray(x)
-            x = x.clamp_(0.0, 1.0)
+            ref = None
+            if op == 1:  # the image's mean luma = luma of the channel means
+                ref = (x.mean(dim=(-2, -1)) @ _GRAY.to(x.dtype)).mul_(1.0 - a)
+                ref = ref.view(*ref.shape, 1, 1, 1)
+            elif op == 2:
+                ref = _gray(x).mul_(1.0 - a)
+            x = x.mul_(a) if owned else x.mul(a)
+            owned = True
+            if ref is not None:
+                x.add_(ref)
+            x.clamp_(0.0, 1.0)
         return x
 
     def __repr__(self) -> str:
@@ -476,7 +479,7 @@ class Lighting:
             return x
         alpha = torch.randn(3) * self.alphastd
         rgb = (self.eigvec @ (alpha * self.eigval)) / 255.0  # (3,)
-        return (x + rgb.to(x.dtype).view(3, 1, 1)).clamp_(0.0, 1.0)
+        return torch.add(x, rgb.to(x.dtype).view(3, 1, 1)).clamp_(0.0, 1.0)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(alphastd={self.alphastd})"
@@ -510,13 +513,14 @@ class Normalize:
             )
         self.mean = tuple(float(m) for m in mean_t)
         self.std = tuple(float(s) for s in std_t)
-        self._mean01 = (mean_t / 255.0).view(-1, 1, 1)
-        self._std01 = (std_t / 255.0).view(-1, 1, 1)
+        # (255 x - mean) / std = x * scale + shift
+        self._scale = (255.0 / std_t).view(-1, 1, 1)
+        self._shift = (-mean_t / std_t).view(-1, 1, 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError("Normalize works on float tensors in [0, 1]; put it after ToTensor")
-        return (x - self._mean01.to(x.dtype)) / self._std01.to(x.dtype)
+        return torch.addcmul(self._shift.to(x.dtype), x, self._scale.to(x.dtype))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mean={self.mean}, std={self.std})"

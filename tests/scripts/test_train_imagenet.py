@@ -1,0 +1,135 @@
+"""scripts/train_imagenet.py end to end: bad input, scale-out, published logs."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from modelzoo.vision.data import BadImageError, RecordIOError, write_recordio
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "train_imagenet.py"
+TINY = ["--model", "resnest14", "--input-size", "32", "--batch-size", "4", "--num-epochs", "1",
+        "-j", "0", "--no-progress", "--log-interval", "1"]  # fmt: skip
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("train_imagenet_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _jpeg(seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+def _folder(root: Path, per_class: int = 4) -> Path:
+    for split in ("train", "val"):
+        for c, cls in enumerate(("cat", "dog")):
+            d = root / split / cls
+            d.mkdir(parents=True)
+            for i in range(per_class):
+                (d / f"{i}.jpg").write_bytes(_jpeg(100 * c + i + (50 if split == "val" else 0)))
+    return root
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_truncated_jpeg_names_the_file_or_is_skipped(tmp_path, home, capsys):
+    data = _folder(tmp_path / "data")
+    bad = data / "train" / "cat" / "broken.jpg"
+    bad.write_bytes(_jpeg(7)[:300])
+    script = _load_script()
+    with pytest.raises(BadImageError, match="broken.jpg") as info:
+        script.main([*TINY, "--data-dir", str(data)])
+    assert "--skip-bad-images" in str(info.value)
+    assert script.main([*TINY, "--data-dir", str(data), "--skip-bad-images"]) == 0
+    out = capsys.readouterr().out
+    assert "broken.jpg" in out and "Held-out top-1" in out
+
+
+def test_non_image_file_and_empty_class_folder(tmp_path, home):
+    data = _folder(tmp_path / "data")
+    (data / "train" / "dog" / "notes.jpg").write_text("this is not an image")
+    script = _load_script()
+    with pytest.raises(BadImageError, match="notes.jpg"):
+        script.main([*TINY, "--data-dir", str(data)])
+    (data / "train" / "dog" / "notes.jpg").unlink()
+    (data / "train" / "emu").mkdir()
+    with pytest.raises(ValueError, match="emu"):
+        script.main([*TINY, "--data-dir", str(data)])
+
+
+def test_recordio_bad_magic_and_missing_index(tmp_path, home):
+    rec, idx = tmp_path / "train.rec", tmp_path / "train.idx"
+    write_recordio(rec, idx, [(i % 2, _jpeg(i)) for i in range(8)])
+    script = _load_script()
+    args = [*TINY, "--use-rec", "--rec-train", str(rec), "--num-classes", "2"]
+    with pytest.raises(FileNotFoundError, match="missing.idx"):
+        script.main([*args, "--rec-train-idx", str(tmp_path / "missing.idx")])
+    raw = bytearray(rec.read_bytes())
+    raw[0:4] = b"\x00\x00\x00\x00"  # the first record's magic number
+    rec.write_bytes(bytes(raw))
+    with pytest.raises(RecordIOError, match=r"train\.rec.*offset 0|offset 0.*train\.rec"):
+        script.main([*args, "--rec-train-idx", str(idx), "--max-steps", "2"])
+
+
+def _run(cmd: list[str], env_extra: dict[str, str], timeout: int = 600) -> None:
+    env = {**os.environ, **env_extra, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def _steps(path: Path) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "step"]
+
+
+@pytest.mark.dist
+def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
+    """2 workers x 32 == 1 worker x 64 in data order and initial weights; with the same
+    BatchNorm partition (1 worker x 32 x accumulate 2) the losses agree to float precision."""
+    env = {"MODELZOO_HOME": str(tmp_path / "home")}
+    common = ["--max-steps", "3", "--log-interval", "1", "-j", "0", "--no-progress",
+              "--warmup-epochs", "0", "--lr", "0.01"]  # fmt: skip
+    one, acc, two = tmp_path / "one.jsonl", tmp_path / "acc.jsonl", tmp_path / "two.jsonl"
+    _run([sys.executable, str(SCRIPT), *common, "--batch-size", "64", "--run-log", str(one)], env)
+    _run(
+        [sys.executable, str(SCRIPT), *common, "--batch-size", "32", "--accumulate", "2",
+         "--run-log", str(acc)],
+        env,
+    )  # fmt: skip
+    _run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(SCRIPT), *common, "--batch-size", "32", "--run-log", str(two)],
+        env,
+    )  # fmt: skip
+    a, b, c = _steps(one), _steps(acc), _steps(two)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [r["step"] for r in c] == [1, 2, 3]
+    for ra, rb, rc in zip(a, b, c, strict=True):
+        assert rc["lr"] == pytest.approx(ra["lr"], rel=1e-9)
+        # Same BatchNorm partition of the same samples: equal up to float summation order.
+        assert rc["loss"] == pytest.approx(rb["loss"], rel=1e-4), (rb, rc)
+        assert rc["accuracy"] == pytest.approx(rb["accuracy"], abs=1e-9)
+    # Against one worker with the whole batch, the first loss (no update yet) differs only by
+    # BatchNorm's statistics over 32 instead of 64 images per rank.
+    assert c[0]["loss"] == pytest.approx(a[0]["loss"], rel=0.01)
+    header = json.loads(two.read_text().splitlines()[0])
+    assert header["world_size"] == 2
