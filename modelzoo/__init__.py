@@ -6,11 +6,19 @@
 
 from .registry import get_model, get_weights, list_models, register_model
 from .store import purge
-from .weights import Weights
 
 # Importing the families registers their builders.
 from .vision import resnest  # noqa: F401  (registration side effect)
+from .weights import Weights
 
 __version__ = "0.1.0"
 
-__all__ = ["Weights", "__version__", "get_model", "get_weights", "list_models", "purge", "register_model"]
+__all__ = [
+    "Weights",
+    "__version__",
+    "get_model",
+    "get_weights",
+    "list_models",
+    "purge",
+    "register_model",
+]

@@ -1,7 +1,7 @@
 """Writes docs/model_zoo.md from the registry (the single source of the table).
 
-    python scripts/make_model_zoo_docs.py            # rewrite docs/model_zoo.md
-    python scripts/make_model_zoo_docs.py --check    # exit 1 if the file is stale
+python scripts/make_model_zoo_docs.py            # rewrite docs/model_zoo.md
+python scripts/make_model_zoo_docs.py --check    # exit 1 if the file is stale
 """
 
 from __future__ import annotations

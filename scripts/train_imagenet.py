@@ -58,6 +58,8 @@ DIGITS_DEFAULTS = dict(
     lighting=0.0,
     min_random_area=0.6,
     log_interval=10,
+    last_gamma=True,
+    no_wd=True,
 )
 IMAGENET_DEFAULTS = dict(
     model="resnest50",
@@ -73,6 +75,8 @@ IMAGENET_DEFAULTS = dict(
     lighting=0.1,
     min_random_area=0.08,
     log_interval=50,
+    last_gamma=False,
+    no_wd=False,
 )
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
@@ -112,7 +116,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--model", type=str, default=None, help="a name from modelzoo.list_models()")
     m.add_argument("--use-pretrained", action="store_true", help="start from published weights")
     m.add_argument(
-        "--last-gamma", action="store_true", help="zero-init the last BN gamma of each block"
+        "--last-gamma",
+        action="store_true",
+        default=None,
+        help="zero-init the last BN gamma of each block (on by default for the digits)",
     )
     m.add_argument(
         "--dropblock-prob", type=float, default=0.0, help="DropBlock, ramped linearly over training"

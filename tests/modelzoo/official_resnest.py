@@ -41,7 +41,9 @@ def load_official():
     build.RESNEST_MODELS_REGISTRY = _Registry()
     sys.modules[f"{_PKG}.build"] = build
     for name in ("splat", "resnet", "resnest", "ablation"):
-        sub_spec = importlib.util.spec_from_file_location(f"{_PKG}.{name}", models_dir / f"{name}.py")
+        sub_spec = importlib.util.spec_from_file_location(
+            f"{_PKG}.{name}", models_dir / f"{name}.py"
+        )
         module = importlib.util.module_from_spec(sub_spec)
         sys.modules[f"{_PKG}.{name}"] = module
         sub_spec.loader.exec_module(module)

@@ -16,13 +16,19 @@ import modelzoo
 from modelzoo.vision.resnest import ResNeSt
 
 ALL = modelzoo.list_models()
-PRETRAINED = [(n, t) for n in modelzoo.list_models(pretrained=True) for t in modelzoo.registry.get_model_entry(n).weights]
+PRETRAINED = [
+    (n, t)
+    for n in modelzoo.list_models(pretrained=True)
+    for t in modelzoo.registry.get_model_entry(n).weights
+]
 
 
 def _example_input(model: nn.Module) -> torch.Tensor:
     if isinstance(model, ResNeSt):
         return torch.randn(2, 3, 32, 32)
-    raise AssertionError(f"tests/modelzoo/test_models.py: add an example input for {type(model).__name__}")
+    raise AssertionError(
+        f"tests/modelzoo/test_models.py: add an example input for {type(model).__name__}"
+    )
 
 
 def test_registry_is_not_empty():

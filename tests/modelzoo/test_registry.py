@@ -132,7 +132,9 @@ def test_pretrained_rejects_a_mismatched_file(tmp_path, monkeypatch, scratch_reg
         url=path.as_uri(), hash_prefix=digest, num_params=0, num_classes=5, metrics={},
         source="test", license="CC0",
     )  # fmt: skip
-    modelzoo.register_model(lambda *, num_classes=5: _Tiny(num_classes), name="tiny_bad", weights={"v": weights})
+    modelzoo.register_model(
+        lambda *, num_classes=5: _Tiny(num_classes), name="tiny_bad", weights={"v": weights}
+    )
     with pytest.raises(RuntimeError, match="extra.weight"):
         modelzoo.get_model("tiny_bad", pretrained=True, progress=False)
     with pytest.raises(RuntimeError, match="extra.weight"):

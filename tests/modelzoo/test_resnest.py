@@ -103,7 +103,9 @@ def test_dropblock_is_in_stages_3_and_4_and_ramps():
     for stage, expected in ((net.layer1, 0), (net.layer2, 0), (net.layer3, 3), (net.layer4, 3)):
         assert sum(isinstance(m, DropBlock2d) for m in stage.modules()) == expected
     assert set_dropblock_prob(net, 0.5) == pytest.approx(0.05)
-    assert all(m.drop_prob == pytest.approx(0.05) for m in net.modules() if isinstance(m, DropBlock2d))
+    assert all(
+        m.drop_prob == pytest.approx(0.05) for m in net.modules() if isinstance(m, DropBlock2d)
+    )
     with pytest.raises(ValueError, match="fraction"):
         set_dropblock_prob(net, 1.5)
 
