@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .adasum import ADASUM_MODES, AdasumDeltaCombiner, AdasumGradCombiner, resolve_adasum_mode
 from .combine import AverageCombiner, GradCombiner
 from .dist import DistEnv
-from .optim import create_optimizer, list_optimizers
+from .optim import create_optimizer, list_optimizers, optimizer_accepts
 from .schedules import SCHEDULE_MODES, LRSchedule, create_schedule
 
 __all__ = [
@@ -29,7 +30,18 @@ __all__ = [
     "build_schedule",
 ]
 
-GRAD_COMBINE_CHOICES = ("average",)
+GRAD_COMBINE_CHOICES = ("average", "adasum")
+
+
+def _bounds(text: str) -> tuple[float | None, float | None]:
+    """``"LOW,HIGH"`` -> ``(low, high)``; an empty side is unbounded (``"0.01,"``)."""
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH (e.g. 0.01,10), got {text!r}")
+    try:
+        return tuple(float(v) if v.strip() else None for v in parts)  # type: ignore[return-value]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two numbers LOW,HIGH, got {text!r}") from None
 
 
 def add_optimizer_args(
@@ -44,7 +56,10 @@ def add_optimizer_args(
     g.add_argument("--momentum", type=float, default=0.9, help="sgd/nag momentum")
     g.add_argument("--wd", type=float, default=1e-4, help="weight decay")
     g.add_argument(
-        "--no-wd", action="store_true", help="no weight decay on bias and norm parameters"
+        "--no-wd",
+        action="store_true",
+        default=None,
+        help="no weight decay on bias and norm parameters (a script may default it on)",
     )
     g.add_argument("--beta1", type=float, default=0.9, help="adam-family first-moment decay")
     g.add_argument("--beta2", type=float, default=0.999, help="adam-family second-moment decay")
@@ -54,19 +69,81 @@ def add_optimizer_args(
         default=None,
         help="adam-family epsilon (optimizer default if unset)",
     )
+    # Large-batch optimizers (lamb, lans); passed only when given, and an error with an
+    # optimizer that does not take them.
+    g.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=None,
+        help="lamb/lans: clip the global gradient norm inside the optimizer (default 1.0; "
+        "0 turns it off)",
+    )
+    g.add_argument(
+        "--trust-clamp",
+        type=_bounds,
+        default=None,
+        metavar="LOW,HIGH",
+        help="lamb/lans: clamp the trust ratio (DeepSpeed: 0.01,10)",
+    )
+    g.add_argument(
+        "--weight-norm-clamp",
+        type=_bounds,
+        default=None,
+        metavar="LOW,HIGH",
+        help="lamb/lans: clamp ||w|| in the trust ratio (MXNet's lower_bound,upper_bound)",
+    )
+    g.add_argument(
+        "--no-bias-correction", action="store_true", help="lamb/lans: no Adam bias correction"
+    )
+    g.add_argument(
+        "--always-adapt",
+        action="store_true",
+        help="lamb: apply the trust ratio where the weight decay is 0 too",
+    )
+    g.add_argument(
+        "--adapt-no-wd",
+        action="store_true",
+        help="lamb/lans: apply the trust ratio to the --no-wd parameters too",
+    )
 
 
 def optimizer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments for :func:`trainers.optim.create_optimizer` from parsed flags."""
+    """Keyword arguments for :func:`trainers.optim.create_optimizer` from parsed flags.
+
+    Raises:
+        ValueError: a flag given that the chosen optimizer does not take.
+    """
     kwargs: dict[str, Any] = dict(
         lr=args.lr,
         weight_decay=args.wd,
         momentum=args.momentum,
-        no_wd=args.no_wd,
+        no_wd=bool(args.no_wd),
         betas=(args.beta1, args.beta2),
     )
     if args.epsilon is not None:
         kwargs["eps"] = args.epsilon
+    given: dict[str, tuple[str, Any]] = {}
+    max_grad_norm = getattr(args, "max_grad_norm", None)
+    if max_grad_norm is not None:
+        given["max_grad_norm"] = ("--max-grad-norm", max_grad_norm if max_grad_norm > 0 else None)
+    for option, flag in (
+        ("trust_clamp", "--trust-clamp"),
+        ("weight_norm_clamp", "--weight-norm-clamp"),
+    ):
+        if getattr(args, option, None) is not None:
+            given[option] = (flag, getattr(args, option))
+    if getattr(args, "no_bias_correction", False):
+        given["bias_correction"] = ("--no-bias-correction", False)
+    for option in ("always_adapt", "adapt_no_wd"):
+        if getattr(args, option, False):
+            given[option] = ("--" + option.replace("_", "-"), True)
+    for option, (flag, value) in given.items():
+        if not optimizer_accepts(args.optimizer, option):
+            raise ValueError(
+                f"{flag} is not an option of --optimizer {args.optimizer}; drop it or pick an "
+                "optimizer that takes it (lamb, lans)"
+            )
+        kwargs[option] = value
     return kwargs
 
 
@@ -116,11 +193,42 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         type=str.lower,
         default="average",
         choices=GRAD_COMBINE_CHOICES,
-        help="how workers combine gradients: average (DistributedDataParallel)",
+        help="how workers combine gradients: average (DistributedDataParallel) or adasum "
+        "(adaptive summation; keep the single-worker learning rate, see docs/adasum.md)",
+    )
+    g.add_argument(
+        "--adasum-mode",
+        type=str.lower,
+        default=None,
+        choices=ADASUM_MODES,
+        help="adasum: combine optimizer updates (delta) or gradients (gradient); auto (default): "
+        "gradient for sgd/nag, delta for adaptive optimizers (adam, adamw, lamb, lans, ...)",
+    )
+    g.add_argument(
+        "--adasum-hierarchical",
+        action="store_true",
+        help="adasum: average inside each node, Adasum across nodes (needs >= 2 nodes)",
     )
 
 
 def build_combiner(args: argparse.Namespace, env: DistEnv) -> GradCombiner:
+    adasum_flags = [
+        flag
+        for flag, given in (
+            ("--adasum-mode", getattr(args, "adasum_mode", None) is not None),
+            ("--adasum-hierarchical", getattr(args, "adasum_hierarchical", False)),
+        )
+        if given
+    ]
     if args.grad_combine == "average":
+        if adasum_flags:
+            raise ValueError(
+                f"{' and '.join(adasum_flags)} only apply with --grad-combine adasum "
+                "(this run averages gradients)"
+            )
         return AverageCombiner()
+    if args.grad_combine == "adasum":
+        mode = resolve_adasum_mode(args.adasum_mode or "auto", getattr(args, "optimizer", None))
+        combiner = AdasumDeltaCombiner if mode == "delta" else AdasumGradCombiner
+        return combiner(hierarchical=args.adasum_hierarchical)
     raise ValueError(f"--grad-combine {args.grad_combine!r}: choose one of {GRAD_COMBINE_CHOICES}")
