@@ -231,6 +231,9 @@ def build_command(
         )
     script = str(REPO_ROOT / command[0])
     args = _set_flag(list(command[1:]), "--run-log", run_log)
+    if any(a == "--elastic-dir" or a.startswith("--elastic-dir=") for a in args):
+        # an elastic run's state directory must start empty
+        args = _set_flag(args, "--elastic-dir", str(Path(run_log).parent / "elastic"))
     if max_steps is not None:
         args = _set_flag(args, "--max-steps", str(max_steps))
     world_size = int(header.get("world_size") or 1)

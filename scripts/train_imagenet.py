@@ -36,11 +36,14 @@ from modelzoo.vision.transforms import eval_transforms, train_transforms
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
 from trainers.cli import (
     add_distributed_args,
+    add_elastic_args,
     add_optimizer_args,
     add_schedule_args,
     build_combiner,
+    build_elastic,
     build_optimizer,
     build_schedule,
+    elastic_resuming,
 )
 
 # The built-in default: what a newcomer gets with no data flags.
@@ -140,6 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_optimizer_args(p, default="nag")
     add_schedule_args(p, default="cosine")
     add_distributed_args(p)
+    add_elastic_args(p)
     o = p.add_argument_group("training")
     o.add_argument("--batch-size", type=int, default=None, help="per worker")
     o.add_argument("--num-epochs", type=int, default=None)
@@ -314,10 +318,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = DistEnv.from_env()
     command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
-    run_log = args.run_log or (str(Path(args.save_dir) / "run.jsonl") if args.save_dir else None)
-    logger = RunLogger(run_log, enabled=env.is_main, logging_file=args.logging_file)
+    run_log = args.run_log or next(
+        (str(Path(d) / "run.jsonl") for d in (args.save_dir, args.elastic_dir) if d), None
+    )
+    resuming = elastic_resuming(args, run_log, is_main=env.is_main)  # append, no new header
+    logger = RunLogger(
+        run_log, enabled=env.is_main, logging_file=args.logging_file, mode="a" if resuming else "w"
+    )
     logger.info(f"Namespace({', '.join(f'{k}={v!r}' for k, v in sorted(vars(args).items()))})")
-    logger.write(make_header(command, args.seed, env.world_size, args))
+    if not resuming:
+        logger.write(make_header(command, args.seed, env.world_size, args))
 
     train_set, val_set, num_classes = build_datasets(args)
     torch.manual_seed(args.seed)  # the same initial weights on every rank and every rerun
@@ -365,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         combiner=build_combiner(args, env), hooks=hooks,
     )  # fmt: skip
     task.trainer = trainer
+    build_elastic(args, trainer)  # with --elastic-dir: fit() resumes from its state
     if args.resume:
         trainer.resume(args.resume)
 

@@ -5,6 +5,7 @@ precision, clipping, gradient combining, evaluation, checkpoints, run logs). Thi
 never imports ``modelzoo``.
 """
 
+from . import adasum, elastic, optim, schedules
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .combine import AverageCombiner, GradCombiner, unwrap_model
 from .data import SeededDataset, ShardedSampler, derive_seed
@@ -12,11 +13,11 @@ from .dist import DistEnv
 from .logs import RunLogger, format_metrics, make_header, progress_bar
 from .trainer import Trainer, TrainerConfig
 
-# ---- submodules owned by other issues -------------------------------------------------------
-# Add `from trainers import optim, schedules` (and adasum, elastic, ...) here.
-# ---------------------------------------------------------------------------------------------
-
 __all__ = [
+    "adasum",
+    "elastic",
+    "optim",
+    "schedules",
     "AverageCombiner",
     "CheckpointError",
     "DistEnv",

@@ -232,3 +232,79 @@ def build_combiner(args: argparse.Namespace, env: DistEnv) -> GradCombiner:
         combiner = AdasumDeltaCombiner if mode == "delta" else AdasumGradCombiner
         return combiner(hierarchical=args.adasum_hierarchical)
     raise ValueError(f"--grad-combine {args.grad_combine!r}: choose one of {GRAD_COMBINE_CHOICES}")
+
+
+# ---- elastic training (trainers/elastic.py) -------------------------------------------------
+ELASTIC_LR_SCALING_CHOICES = ("auto", "linear", "none")
+
+
+def add_elastic_args(parser: argparse.ArgumentParser) -> None:
+    """``--elastic-dir`` and its tuning (launch with ``torchrun --nnodes=MIN:MAX``)."""
+    g = parser.add_argument_group("elastic training (torchrun --nnodes=MIN:MAX, docs/elastic.md)")
+    g.add_argument(
+        "--elastic-dir",
+        type=str,
+        default=None,
+        help="shared directory for the job's durable state and sample ledger; turns elastic "
+        "training on: a restarted worker group (new world size) resumes from it",
+    )
+    g.add_argument(
+        "--elastic-checkpoint-steps",
+        type=int,
+        default=50,
+        help="durable checkpoint every N optimizer steps (a restart redoes at most N-1 steps)",
+    )
+    g.add_argument(
+        "--elastic-ramp-steps",
+        type=int,
+        default=100,
+        help="after a world-size change, move the lr to its new target linearly over N steps",
+    )
+    g.add_argument(
+        "--elastic-lr-scaling",
+        type=str.lower,
+        default="auto",
+        choices=ELASTIC_LR_SCALING_CHOICES,
+        help="lr target on a world-size change: linear (x new/initial world size), none; "
+        "auto: none with --grad-combine adasum, else linear",
+    )
+    g.add_argument(
+        "--no-elastic-ledger",
+        action="store_true",
+        help="do not write the per-rank sample ledger (<elastic-dir>/ledger)",
+    )
+
+
+def elastic_resuming(args: argparse.Namespace, run_log: str | None, *, is_main: bool) -> bool:
+    """Whether this worker group resumes an elastic job (append to the run log, no header).
+
+    On rank 0 a torn last line of ``run_log`` (its writer was killed) is dropped.
+    """
+    from .elastic import ElasticState, repair_run_log  # local: keeps this section self-contained
+
+    if getattr(args, "elastic_dir", None) is None:
+        return False
+    if not ElasticState.has_checkpoint(args.elastic_dir):
+        return False
+    if is_main and run_log is not None:
+        repair_run_log(run_log)
+    return True
+
+
+def build_elastic(args: argparse.Namespace, trainer: Any) -> Any:
+    """An :class:`~trainers.elastic.ElasticState` for ``trainer`` (None without --elastic-dir)."""
+    from .elastic import ElasticState
+
+    if getattr(args, "elastic_dir", None) is None:
+        return None
+    scaling = args.elastic_lr_scaling
+    if scaling == "auto":
+        scaling = "none" if getattr(args, "grad_combine", "average") == "adasum" else "linear"
+    return ElasticState(
+        trainer,
+        args.elastic_dir,
+        checkpoint_steps=args.elastic_checkpoint_steps,
+        ramp_steps=args.elastic_ramp_steps,
+        lr_scaling=scaling,
+        ledger=not args.no_elastic_ledger,
+    )

@@ -278,6 +278,7 @@ class Trainer:
 
         self._paused = 0.0  # seconds spent evaluating and saving (excluded from speed)
         self._last_saved_step: int | None = None
+        self.train_sampler: ShardedSampler | None = None  # fit's sampler (read by hooks)
         self.env.seed_everything(config.seed)
 
     # ======================================================================================
@@ -292,6 +293,7 @@ class Trainer:
         """Train until ``config.epochs`` (or ``config.max_steps``); returns the final metrics."""
         cfg, env = self.config, self.env
         sampler = self._train_sampler(len(train_dataset))  # type: ignore[arg-type]
+        self.train_sampler = sampler
         loader = self._loader(train_dataset, sampler, collate_fn, persistent=True)
         fit_start = time.perf_counter()
         self._call_hooks("on_train_start")
@@ -607,15 +609,31 @@ class Trainer:
         Returns the state on rank 0 and ``None`` elsewhere: per-rank parts (RNG states,
         combiner state, partial metric sums) are gathered to rank 0.
         """
-        rank_state = {
+        ranks = self.env.gather_object(self._rank_state())
+        if not self.env.is_main:
+            return None
+        return self._full_state(ranks)
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's state without any communication (in-memory commits, see elastic.py).
+
+        Like :meth:`state_dict`, but ``ranks`` holds only this rank's part (``None`` for
+        the others): :meth:`load_state_dict` takes it back on the same rank of a world of
+        the same size. The tensors are the live ones: copy them to keep a snapshot.
+        """
+        ranks: list[dict[str, Any] | None] = [None] * self.env.world_size
+        ranks[self.env.rank] = self._rank_state()
+        return self._full_state(ranks)
+
+    def _rank_state(self) -> dict[str, Any]:
+        return {
             "rng": _rng_state(),
             "combiner": self.combiner.state_dict(),
             "interval": self._interval.state_dict(),
             "epoch_meter": self._epoch_meter.state_dict(),
         }
-        ranks = self.env.gather_object(rank_state)
-        if not self.env.is_main:
-            return None
+
+    def _full_state(self, ranks: list[Any]) -> dict[str, Any]:
         schedule = self.lr_schedule
         return {
             "format": CHECKPOINT_FORMAT,
@@ -679,11 +697,25 @@ class Trainer:
         With another world size the RNGs are reseeded from ``(seed, step)``, the combiner
         starts fresh, and the rest of the epoch's samples are re-split over the new ranks.
         """
-        state = load_checkpoint(path)
+        self.load_state_dict(load_checkpoint(path), source=str(path))
+
+    def load_state_dict(self, state: Mapping[str, Any], *, source: str = "state") -> None:
+        """Continue from a :meth:`state_dict` (or :meth:`local_state_dict`); see :meth:`resume`.
+
+        ``source`` names the state in error messages (the checkpoint path).
+        """
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(
-                f"checkpoint {str(path)!r} has format {state.get('format')!r}, this trainer "
+                f"checkpoint {source!r} has format {state.get('format')!r}, this trainer "
                 f"reads format {CHECKPOINT_FORMAT}"
+            )
+        ranks = state["ranks"]
+        same_world = int(state["world_size"]) == self.env.world_size
+        own_part = same_world and ranks[self.env.rank] is not None
+        if any(r is None for r in ranks) and not own_part:
+            raise ValueError(
+                f"{source!r} is a local_state_dict of another rank or world size; resume "
+                "from a state_dict() (a checkpoint) instead"
             )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -702,8 +734,7 @@ class Trainer:
             if hook_state is not None and hasattr(hook, "load_state_dict"):
                 hook.load_state_dict(hook_state)
 
-        ranks = state["ranks"]
-        if int(state["world_size"]) == self.env.world_size:
+        if same_world:
             own = ranks[self.env.rank]
             _set_rng_state(own["rng"], self.env.device)
             self.combiner.load_state_dict(own["combiner"])

@@ -1,5 +1,22 @@
-"""Optimizers for the shared trainer: a registry-backed factory and no-weight-decay groups."""
+"""Optimizers for the shared trainer: a registry-backed factory, no-weight-decay groups, and
+the large-batch optimizers LAMB and LANS (registered as ``"lamb"`` and ``"lans"``)."""
 
-from .factory import create_optimizer, list_optimizers, param_groups, register_optimizer
+from .factory import (
+    create_optimizer,
+    list_optimizers,
+    optimizer_accepts,
+    param_groups,
+    register_optimizer,
+)
+from .lamb import Lamb
+from .lans import Lans
 
-__all__ = ["create_optimizer", "list_optimizers", "param_groups", "register_optimizer"]
+__all__ = [
+    "Lamb",
+    "Lans",
+    "create_optimizer",
+    "list_optimizers",
+    "optimizer_accepts",
+    "param_groups",
+    "register_optimizer",
+]

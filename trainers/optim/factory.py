@@ -26,7 +26,13 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["create_optimizer", "list_optimizers", "param_groups", "register_optimizer"]
+__all__ = [
+    "create_optimizer",
+    "list_optimizers",
+    "optimizer_accepts",
+    "param_groups",
+    "register_optimizer",
+]
 
 OptimizerBuilder = Callable[..., torch.optim.Optimizer]
 _B = TypeVar("_B", bound=OptimizerBuilder)
@@ -125,7 +131,7 @@ def create_optimizer(
     momentum: float = 0.9,
     no_wd: bool = False,
     betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
+    eps: float | None = None,
     **kwargs: Any,
 ) -> torch.optim.Optimizer:
     """Build the optimizer registered as ``name`` over the trainable parameters of ``model``.
@@ -140,7 +146,8 @@ def create_optimizer(
         momentum: momentum of ``sgd``/``nag``.
         no_wd: no weight decay on biases and normalization parameters (GluonCV ``--no-wd``).
         betas: Adam-family betas.
-        eps: Adam-family epsilon.
+        eps: Adam-family epsilon; ``None`` keeps the optimizer's own default (1e-8 for
+            ``adamw``, 1e-6 for ``lamb``/``lans``).
         **kwargs: passed to the optimizer as they are.
 
     Raises:
@@ -161,9 +168,22 @@ def create_optimizer(
         "weight_decay": weight_decay,
         "momentum": momentum,
         "betas": tuple(betas),
-        "eps": eps,
     }
+    if eps is not None:
+        common["eps"] = eps
     return builder(groups, **_accepted(builder, common), **kwargs)
+
+
+def optimizer_accepts(name: str, option: str) -> bool:
+    """Whether the optimizer registered as ``name`` takes the keyword argument ``option``.
+
+    Raises:
+        ValueError: unknown ``name``.
+    """
+    key = name.lower()
+    if key not in _OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; available: {', '.join(list_optimizers())}")
+    return bool(_accepted(_OPTIMIZERS[key], {option: None}))
 
 
 @register_optimizer("sgd")
@@ -188,7 +208,7 @@ def _adamw(
     *,
     lr: float,
     betas: tuple[float, float],
-    eps: float,
+    eps: float = 1e-8,
     weight_decay: float,
     **kwargs: Any,
 ) -> torch.optim.Optimizer:

@@ -1,0 +1,257 @@
+"""One rank of the multi-process Adasum tests in test_adasum.py.
+
+The four processes start as a 4-rank gloo world, then ranks 0-2 re-form a 3-rank world and
+ranks 0-1 a 2-rank world, so three world sizes cost one interpreter start-up. Each rank saves
+its inputs and results per world size in ``OUTDIR/w{world}_r{rank}.pt``; the test computes the
+references.
+
+Usage (torchrun's variables set for the 4-rank world):
+    python -m tests.trainers._adasum_worker OUTDIR PORT3 PORT2
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from tests.trainers._trainer_toys import ToyDataset, eval_step, lr_fn, make_mlp, train_step
+from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
+from trainers import adasum as adasum_module
+from trainers.adasum import AdasumDeltaCombiner, AdasumGradCombiner, adasum_allreduce_
+
+SHAPES = [(7,), (3, 5), (64, 3, 3, 3), (1,), (1000,), (33, 17), (0,), (4, 1, 1), (20000,)]
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# -- data ---------------------------------------------------------------------------------------
+def random_tensors(rank: int, dtype: torch.dtype, shapes=SHAPES) -> list[torch.Tensor]:
+    """Per-rank tensors sharing a common direction (so Adasum is neither sum nor mean)."""
+    common = torch.Generator().manual_seed(0)
+    own = torch.Generator().manual_seed(1000 + rank)
+    out = []
+    for shape in shapes:
+        shared = torch.randn(shape, generator=common)
+        mix = float(torch.rand((), generator=own)) * 2 - 0.5  # negative too
+        scale = 10 ** float(torch.empty(()).uniform_(-2, 2, generator=own))
+        out.append((scale * (mix * shared + torch.randn(shape, generator=own))).to(dtype))
+    return out
+
+
+def horovod_columns(rank: int, world: int, dtype: torch.dtype, kind: str) -> list[torch.Tensor]:
+    """Horovod's test data: rank r gets column r of orthogonal (QR) or parallel columns."""
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for n in (world * 20 - 17, world * 2 + 1, world + 2, 2**12):
+        a = torch.randn(n, world if kind == "orthogonal" else 1, generator=g, dtype=torch.float64)
+        if kind == "orthogonal":
+            q = torch.linalg.qr(a).Q
+        else:  # one sign, so the mean is no cancellation (the pair tests cover signs)
+            r = torch.rand(world, 1, generator=g, dtype=torch.float64) + 0.5
+            q = a @ r.T
+        out.append(q[:, rank].to(dtype).contiguous())
+    return out
+
+
+def digits_sets() -> tuple[TensorDataset, TensorDataset]:
+    """scikit-learn's 1,797 real 8x8 handwritten digits: 1,437 for training, 360 held out."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    train, val = perm[:1437], perm[1437:]
+    return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
+
+
+DIGITS_RECIPES = {  # optimizer, lr (the single-worker lr: no scaling with the world size)
+    "gradient": ("sgd", 0.05),
+    "delta": ("adam", 2e-3),
+}
+
+
+def digits_fit(env: DistEnv, mode: str, combiner=None) -> tuple[float, list[torch.Tensor]]:
+    """A small MLP on the digits through the Trainer; returns held-out top-1 and weights."""
+    name, lr = DIGITS_RECIPES[mode]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    if name == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+    train, val = digits_sets()
+    trainer = Trainer(
+        model,
+        opt,
+        TrainerConfig(epochs=6, batch_size=32, seed=1, log_interval=0, progress=False),
+        env=env,
+        logger=RunLogger(None, enabled=False),
+        train_step=train_step,
+        eval_step=eval_step,
+        combiner=combiner,
+    )
+    trainer.fit(train, eval_dataset=val)
+    return trainer.last_eval["top1"], [p.detach().clone() for p in model.parameters()]
+
+
+# -- stages -------------------------------------------------------------------------------------
+def allreduce_random(rank: int, **kwargs) -> dict:
+    results = {}
+    for name, dtype in DTYPES.items():
+        inputs = random_tensors(rank, dtype)
+        outputs = adasum_allreduce_([t.clone() for t in inputs], **kwargs)
+        results[name] = {"in": inputs, "out": list(outputs)}
+    return results
+
+
+def count_messages(fn) -> int:
+    """How many batched point-to-point exchanges ``fn`` makes."""
+    calls = {"n": 0}
+    original = dist.batch_isend_irecv
+
+    def counting(ops):
+        calls["n"] += 1
+        return original(ops)
+
+    dist.batch_isend_irecv = counting
+    try:
+        fn()
+    finally:
+        dist.batch_isend_irecv = original
+    return calls["n"]
+
+
+def small_pieces(rank: int) -> dict:
+    """The same data sent in many small pieces (the overlap of transfers and arithmetic)."""
+    piece = adasum_module._PIECE
+    adasum_module._PIECE = 257
+    try:
+        return allreduce_random(rank)
+    finally:
+        adasum_module._PIECE = piece
+
+
+def world4(rank: int) -> dict:
+    res: dict = {"random": allreduce_random(rank), "pieces": small_pieces(rank)}
+    for kind in ("orthogonal", "parallel"):
+        for name in ("fp32", "fp16"):
+            cols = horovod_columns(rank, 4, DTYPES[name], kind)
+            res[f"{kind}_{name}"] = {
+                "in": cols,
+                "out": adasum_allreduce_([c.clone() for c in cols]),
+            }
+    # Hierarchical: 2 "nodes" of 2 ranks.
+    inputs = random_tensors(rank, torch.float32)
+    res["hier"] = {
+        "in": inputs,
+        "out": adasum_allreduce_([t.clone() for t in inputs], local_size=2),
+    }
+    try:
+        adasum_allreduce_([t.clone() for t in inputs], local_size=4)
+        res["one_node_error"] = None
+    except ValueError as err:
+        res["one_node_error"] = str(err)
+    # Thousands of small tensors.
+    sizes = torch.randint(1, 41, (3000,), generator=torch.Generator().manual_seed(3)).tolist()
+    small = random_tensors(rank, torch.float32, shapes=[(s,) for s in sizes])
+    out_default = [t.clone() for t in small]
+    out_capped = [t.clone() for t in small]
+    res["small"] = {
+        "in": small,
+        "out": out_default,
+        "out_capped": out_capped,
+        "messages": count_messages(lambda: adasum_allreduce_(out_default)),
+        "messages_capped": count_messages(
+            lambda: adasum_allreduce_(out_capped, bucket_cap_mb=0.05)
+        ),
+    }
+    return res
+
+
+def world3(rank: int) -> dict:
+    res: dict = {"random": allreduce_random(rank), "pieces": small_pieces(rank)}
+    env = DistEnv.from_env(device="cpu")
+    # Gradient mode inside the Trainer with an odd world size: ranks stay identical.
+    model = make_mlp(seed=rank)  # different on purpose: prepare() broadcasts rank 0's
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=lr_fn(0), momentum=0.9),
+        TrainerConfig(epochs=1, batch_size=4, seed=3, log_interval=0, progress=False),
+        env=env,
+        logger=RunLogger(None, enabled=False),
+        lr_schedule=lr_fn,
+        train_step=train_step,
+        combiner=AdasumGradCombiner(),
+    )
+    trainer.fit(ToyDataset(48))
+    res["grad_mode_params"] = [p.detach().clone() for p in model.parameters()]
+    return res
+
+
+def world2(rank: int, out: Path) -> dict:
+    res: dict = {"random": allreduce_random(rank)}
+    env = DistEnv.from_env(device="cpu")
+    res["digits"] = {
+        "gradient": digits_fit(env, "gradient", AdasumGradCombiner()),
+        "delta": digits_fit(env, "delta", AdasumDeltaCombiner()),
+    }
+    # Delta mode resumes bit-for-bit: every rank gets its own Adam moments back.
+    res["resume"] = {}
+    for tag, resume in (("straight", False), ("resumed", True)):
+        model = make_mlp(seed=0)
+        trainer = Trainer(
+            model,
+            torch.optim.Adam(model.parameters(), lr=1e-2),
+            TrainerConfig(
+                epochs=2, batch_size=4, seed=4, log_interval=0, progress=False,
+                save_dir=str(out / f"ckpt_{tag}"),
+            ),
+            env=env,
+            logger=RunLogger(None, enabled=False),
+            train_step=train_step,
+            combiner=AdasumDeltaCombiner(),
+        )  # fmt: skip
+        if resume:
+            trainer.resume(out / "ckpt_straight" / "epoch0.pt")
+        trainer.fit(ToyDataset(40))
+        res["resume"][tag] = [p.detach().clone() for p in model.parameters()]
+    return res
+
+
+def init(rank: int, world: int, port: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_PORT=port,
+    )
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+
+
+def main(out: Path, port3: str, port2: str) -> None:
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    init(rank, 4, os.environ["MASTER_PORT"])
+    torch.save(world4(rank), out / f"w4_r{rank}.pt")
+    dist.destroy_process_group()
+    if rank < 3:
+        init(rank, 3, port3)
+        torch.save(world3(rank), out / f"w3_r{rank}.pt")
+        dist.destroy_process_group()
+    if rank < 2:
+        init(rank, 2, port2)
+        torch.save(world2(rank, out), out / f"w2_r{rank}.pt")
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3])

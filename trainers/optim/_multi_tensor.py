@@ -1,0 +1,231 @@
+"""Machinery shared by the layer-wise adaptive optimizers (LAMB, LANS).
+
+Both update every parameter tensor with a per-tensor *trust ratio* ``||w|| / ||u||``. Doing
+that without one host synchronisation per tensor means: per-tensor norms from
+``torch._foreach_norm``, stacked into one vector, the ratios computed with ``torch.where``
+on the device, and the per-tensor coefficients handed back to ``torch._foreach_*`` ops as a
+list of 0-d tensors. Nothing in a ``step()`` reads a tensor value on the host.
+
+Low-precision parameters (bf16/fp16) get fp32 moments and an fp32 master copy of the weight
+(``state["master_param"]``): the update is computed and applied in fp32 and the parameter
+is the master rounded to its dtype. A parameter changed from outside the optimizer (a
+checkpoint loaded into the model, weight averaging) is picked up again: wherever the
+parameter no longer equals the rounded master, the master takes the parameter's value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any
+
+import torch
+
+__all__ = ["Bucket", "LayerwiseAdaptiveOptimizer", "parse_bounds", "trust_ratio"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+Bounds = tuple[float | None, float | None]
+
+
+def parse_bounds(bounds: Any, name: str) -> Bounds | None:
+    """Validate an optional ``(low, high)`` pair; either end may be ``None`` (unbounded)."""
+    if bounds is None:
+        return None
+    try:
+        low, high = bounds
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{name} must be a (low, high) pair, e.g. (0.01, 10.0), got {bounds!r}"
+        ) from None
+    low = None if low is None else float(low)
+    high = None if high is None else float(high)
+    if (low is not None and low < 0) or (high is not None and high < 0):
+        raise ValueError(f"{name} bounds must be >= 0, got {bounds!r}")
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"{name}: low {low} is above high {high}; swap them")
+    return (low, high)
+
+
+def trust_ratio(
+    weight_norm: torch.Tensor,
+    update_norm: torch.Tensor,
+    *,
+    weight_norm_clamp: Bounds | None = None,
+    trust_clamp: Bounds | None = None,
+) -> torch.Tensor:
+    """Per-tensor trust ratios ``phi(||w||) / ||u||`` on the device, no host synchronisation.
+
+    Args:
+        weight_norm: ``(N,)`` norms of the N weight tensors.
+        update_norm: ``(N,)`` norms of their updates.
+        weight_norm_clamp: MXNet LAMB's ``(lower_bound, upper_bound)``: ``phi`` clamps
+            ``||w||`` before the division.
+        trust_clamp: DeepSpeed's ``(min_coeff, max_coeff)``: clamps the ratio itself
+            (``(0.01, 10)`` in DeepSpeed; timm's ``trust_clip`` is ``(None, 1)``).
+
+    Returns:
+        ``(N,)`` ratios; 1 where ``phi(||w||)`` or ``||u||`` is 0 (MXNet checks the clamped
+        norm, so with a positive lower bound an all-zero weight still adapts).
+    """
+    if weight_norm_clamp is not None:
+        weight_norm = weight_norm.clamp(*weight_norm_clamp)
+    ok = (weight_norm > 0) & (update_norm > 0)
+    ratio = torch.where(ok, weight_norm / update_norm, 1.0)
+    if trust_clamp is not None:
+        ratio = ratio.clamp(*trust_clamp)
+    return ratio
+
+
+@dataclass
+class Bucket:
+    """Parameters of one group that share device, compute dtype and step count.
+
+    ``weights``/``grads`` are what the update reads and writes in the compute dtype: the
+    parameters and their gradients, or for bf16/fp16 parameters the fp32 master copies and
+    fp32 copies of the gradients (``grads_owned``: safe to modify in place).
+    """
+
+    step: int
+    params: list[torch.Tensor] = field(default_factory=list)
+    weights: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    exp_avgs: list[torch.Tensor] = field(default_factory=list)
+    exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
+    low_precision: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    grads_owned: bool = False
+
+    def write_back(self) -> None:
+        """Round the fp32 master weights into their low-precision parameters."""
+        if self.low_precision:
+            params, masters = zip(*self.low_precision, strict=True)
+            torch._foreach_copy_(list(params), list(masters))
+
+
+class LayerwiseAdaptiveOptimizer(torch.optim.Optimizer):
+    """Base class: lazy fp32 state, bucketing, the global gradient norm, fp32-safe loading.
+
+    Subclasses put ``max_grad_norm`` and ``adapt_no_wd`` in their defaults and implement
+    ``_update(group, bucket, clip)``, where ``clip`` is ``None`` or the 0-d tensor
+    ``max(1, ||g_all|| / max_grad_norm)`` on the bucket's device.
+    """
+
+    # ---- state ------------------------------------------------------------------------------
+    def _buckets(self, group: dict[str, Any]) -> list[Bucket]:
+        buckets: dict[tuple[torch.device, torch.dtype, int], Bucket] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients; use dense "
+                    "embeddings (sparse=False) or torch.optim.SparseAdam for them"
+                )
+            if torch.is_complex(p):
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support complex parameters; optimize "
+                    "torch.view_as_real(p) instead"
+                )
+            state = self.state[p]
+            low = p.dtype in _LOW_PRECISION
+            compute = torch.float32 if low else p.dtype
+            if len(state) == 0:
+                state["step"] = 0
+                zeros = dict(dtype=compute, memory_format=torch.preserve_format)
+                state["exp_avg"] = torch.zeros_like(p, **zeros)
+                state["exp_avg_sq"] = torch.zeros_like(p, **zeros)
+                if low:
+                    state["master_param"] = p.detach().to(compute, copy=True)
+            state["step"] += 1
+            key = (p.device, compute, state["step"])
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = Bucket(step=state["step"], grads_owned=low)
+            bucket.params.append(p)
+            bucket.exp_avgs.append(state["exp_avg"])
+            bucket.exp_avg_sqs.append(state["exp_avg_sq"])
+            if low:
+                master = state["master_param"]
+                # Follow writes made to the parameter outside the optimizer.
+                master.copy_(torch.where(p == master.to(p.dtype), master, p.to(compute)))
+                bucket.weights.append(master)
+                bucket.grads.append(p.grad.to(compute))
+                bucket.low_precision.append((p, master))
+            else:
+                bucket.weights.append(p)
+                bucket.grads.append(p.grad)
+        return list(buckets.values())
+
+    def _global_grad_norm(self, all_buckets: list[Bucket]) -> torch.Tensor:
+        norms = [torch.stack(torch._foreach_norm(b.grads)) for b in all_buckets]
+        device = norms[0].device
+        flat = torch.cat([n.to(device=device, dtype=torch.float32) for n in norms])
+        return torch.linalg.vector_norm(flat)
+
+    def _max_grad_norm(self) -> float | None:
+        values = {group["max_grad_norm"] for group in self.param_groups}
+        if len(values) > 1:
+            raise ValueError(
+                f"max_grad_norm is one global clip over all parameters, but the param groups "
+                f"have {sorted(values, key=str)}; give every group the same value"
+            )
+        return values.pop() if values else None
+
+    # ---- step -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Perform one optimization step.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        max_norm = self._max_grad_norm()
+        per_group = [(group, self._buckets(group)) for group in self.param_groups]
+        all_buckets = [b for _, buckets in per_group for b in buckets]
+        clip = None
+        if max_norm is not None and all_buckets:
+            # max(1, G / max_grad_norm), G the norm of all gradients together
+            clip = torch.clamp(self._global_grad_norm(all_buckets) / max_norm, min=1.0)
+        for group, buckets in per_group:
+            for bucket in buckets:
+                coef = None if clip is None else clip.to(bucket.grads[0].device)
+                self._update(group, bucket, coef)
+                bucket.write_back()
+        return loss
+
+    def _update(self, group: dict[str, Any], bucket: Bucket, clip: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _adapts(group: dict[str, Any], *, decays: bool) -> bool:
+        """Whether the trust ratio applies to ``group`` (no_wd groups only with adapt_no_wd)."""
+        if group.get("no_wd", False) and not group["adapt_no_wd"]:
+            return False
+        return decays
+
+    @staticmethod
+    def _weight_decay(group: dict[str, Any]) -> float:
+        return 0.0 if group.get("no_wd", False) else float(group["weight_decay"])
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict, keeping fp32 moments and masters fp32 for bf16/fp16 parameters.
+
+        ``torch.optim.Optimizer.load_state_dict`` casts every floating state tensor to its
+        parameter's dtype, which would round the fp32 state of a bf16 parameter to bf16.
+        """
+        super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, p in zip(saved_ids, params, strict=True):
+            if p.dtype not in _LOW_PRECISION or saved_id not in state_dict["state"]:
+                continue
+            saved = state_dict["state"][saved_id]
+            for key, value in saved.items():
+                if key != "step" and torch.is_tensor(value) and value.is_floating_point():
+                    self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
