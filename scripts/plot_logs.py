@@ -15,13 +15,14 @@ already shown. Needs matplotlib (``pip install matplotlib``; part of the test/de
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from trainers.logs import RunLogError, read_run_log
 
 PLOTTED_KINDS = {"step": "train", "eval": "eval"}
 SKIPPED_FIELDS = frozenset({"epoch", "batch", "step"})
@@ -34,32 +35,11 @@ class LogError(Exception):
 
 
 def read_log(path: str | Path) -> list[dict[str, Any]]:
-    """Read a JSON Lines run log whose first record is the header.
-
-    Raises:
-        LogError: missing file, bad JSON (with the line number), or no header first.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise LogError(f"no such run log: {path}")
-    records = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise LogError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-            if not isinstance(record, dict):
-                raise LogError(f"{path}:{lineno}: a record must be a JSON object")
-            records.append(record)
-    if not records or records[0].get("kind") != "header":
-        found = "nothing" if not records else f"kind {records[0].get('kind')!r}"
-        raise LogError(
-            f"{path} does not start with a header record (found {found}); is it a run log?"
-        )
-    return records
+    """Read a JSON Lines run log whose first record is the header (see trainers.logs)."""
+    try:
+        return read_run_log(path)
+    except RunLogError as e:
+        raise LogError(str(e)) from e
 
 
 def collect_series(records: Sequence[dict[str, Any]]) -> Series:

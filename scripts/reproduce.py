@@ -50,6 +50,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainers.logs import RunLogError, read_run_log  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMPARED_KINDS = ("step", "epoch", "eval")
 TIMING_FIELDS = frozenset({"samples_per_sec", "time_cost", "total_time", "time"})
@@ -60,38 +62,8 @@ Record = dict[str, Any]
 Key = tuple[str, Any, Any, int]
 
 
-class LogError(Exception):
-    """A run log that cannot be read."""
-
-
-def read_log(path: str | os.PathLike[str]) -> list[Record]:
-    """Read a JSON Lines run log; the first record must be the header.
-
-    Raises:
-        LogError: missing file, bad JSON (with the line number), or no header first.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise LogError(f"no such run log: {path}")
-    records = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise LogError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-            if not isinstance(record, dict) or "kind" not in record:
-                raise LogError(f"{path}:{lineno}: a record must be a JSON object with a 'kind'")
-            records.append(record)
-    if not records:
-        raise LogError(f"{path} is empty; a run log starts with a header record")
-    if records[0]["kind"] != "header":
-        raise LogError(
-            f"{path}: the first record has kind {records[0]['kind']!r}, expected 'header'"
-        )
-    return records
+LogError = RunLogError  # the name the rest of this script (and its tests) use
+read_log = read_run_log
 
 
 def default_tolerances(world_size: int) -> tuple[float, float]:

@@ -351,3 +351,39 @@ class RunLogger:
             {"kind": "end", "total_time": total_time, "steps": steps, "epochs": epochs, **metrics}
         )
         self.info(f"Training time for {epochs} epochs: {total_time:.2f} sec.")
+
+
+# -- reading ----------------------------------------------------------------------------------
+class RunLogError(ValueError):
+    """A run log that cannot be read (missing, not JSON Lines, or no header first)."""
+
+
+def read_run_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Read a JSON Lines run log; the first record must be the header.
+
+    Raises:
+        RunLogError: missing file, bad JSON (with the line number), or no header first.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise RunLogError(f"no such run log: {path}")
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RunLogError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+            if not isinstance(record, dict) or "kind" not in record:
+                raise RunLogError(f"{path}:{lineno}: a record must be a JSON object with a 'kind'")
+            records.append(record)
+    if not records:
+        raise RunLogError(f"{path} is empty; a run log starts with a header record")
+    if records[0]["kind"] != "header":
+        raise RunLogError(
+            f"{path} does not start with a header record (the first record has kind "
+            f"{records[0]['kind']!r}); is it a run log?"
+        )
+    return records
