@@ -29,6 +29,42 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 Bounds = tuple[float | None, float | None]
 
 
+def common_defaults(
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    max_grad_norm: float | None,
+    trust_clamp: Any,
+    weight_norm_clamp: Any,
+) -> dict[str, Any]:
+    """The validated hyperparameters LAMB and LANS share, as ``defaults`` entries."""
+    if lr < 0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"betas must be in [0, 1), got {betas}")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    if max_grad_norm is not None and max_grad_norm <= 0:
+        raise ValueError(
+            f"max_grad_norm must be positive, got {max_grad_norm}; pass None to disable"
+        )
+    return dict(
+        lr=lr,
+        betas=tuple(betas),
+        eps=eps,
+        weight_decay=weight_decay,
+        bias_correction=bool(bias_correction),
+        max_grad_norm=max_grad_norm,
+        trust_clamp=parse_bounds(trust_clamp, "trust_clamp"),
+        weight_norm_clamp=parse_bounds(weight_norm_clamp, "weight_norm_clamp"),
+    )
+
+
 def parse_bounds(bounds: Any, name: str) -> Bounds | None:
     """Validate an optional ``(low, high)`` pair; either end may be ``None`` (unbounded)."""
     if bounds is None:

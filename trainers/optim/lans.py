@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ._multi_tensor import Bucket, LayerwiseAdaptiveOptimizer, parse_bounds, trust_ratio
+from ._multi_tensor import Bucket, LayerwiseAdaptiveOptimizer, common_defaults, trust_ratio
 from .factory import register_optimizer
 
 __all__ = ["Lans"]
@@ -93,27 +93,17 @@ class Lans(LayerwiseAdaptiveOptimizer):
         weight_norm_clamp: tuple[float | None, float | None] | None = None,
         adapt_no_wd: bool = False,
     ) -> None:
-        if lr < 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas must be in [0, 1), got {betas}")
-        if eps < 0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        if max_grad_norm is not None and max_grad_norm <= 0:
-            raise ValueError(
-                f"max_grad_norm must be positive, got {max_grad_norm}; pass None to disable"
-            )
-        defaults = dict(
+        defaults = common_defaults(
             lr=lr,
-            betas=tuple(betas),
+            betas=betas,
             eps=eps,
             weight_decay=weight_decay,
-            bias_correction=bool(bias_correction),
+            bias_correction=bias_correction,
             max_grad_norm=max_grad_norm,
-            trust_clamp=parse_bounds(trust_clamp, "trust_clamp"),
-            weight_norm_clamp=parse_bounds(weight_norm_clamp, "weight_norm_clamp"),
+            trust_clamp=trust_clamp,
+            weight_norm_clamp=weight_norm_clamp,
+        )
+        defaults.update(
             adapt_no_wd=bool(adapt_no_wd),
         )
         super().__init__(params, defaults)
