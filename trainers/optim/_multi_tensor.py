@@ -1,10 +1,12 @@
 """Machinery shared by the layer-wise adaptive optimizers (LAMB, LANS).
 
 Both update every parameter tensor with a per-tensor *trust ratio* ``||w|| / ||u||``. Doing
-that without one host synchronisation per tensor means: per-tensor norms from
-``torch._foreach_norm``, stacked into one vector, the ratios computed with ``torch.where``
-on the device, and the per-tensor coefficients handed back to ``torch._foreach_*`` ops as a
-list of 0-d tensors. Nothing in a ``step()`` reads a tensor value on the host.
+that without one host synchronisation per tensor means: per-tensor norms (:func:`norms`),
+stacked into one vector, the ratios computed with ``torch.where`` on the device, and the
+per-tensor coefficients handed back to ``torch._foreach_*`` ops as a list of 0-d tensors.
+Nothing in a ``step()`` reads a tensor value on the host. Every elementwise step is an
+in-place ``torch._foreach_*`` op on the state or on work buffers (:meth:`_scratch`), so a
+step allocates no parameter-sized memory on CPU.
 
 Low-precision parameters (bf16/fp16) get fp32 moments and an fp32 master copy of the weight
 (``state["master_param"]``): the update is computed and applied in fp32 and the parameter
@@ -22,7 +24,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["Bucket", "LayerwiseAdaptiveOptimizer", "parse_bounds", "trust_ratio"]
+__all__ = [
+    "Bucket",
+    "LayerwiseAdaptiveOptimizer",
+    "common_defaults",
+    "norms",
+    "parse_bounds",
+    "trust_ratio",
+]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -114,6 +123,26 @@ def trust_ratio(
     return ratio
 
 
+def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``(N,)`` L2 norms of same-device, same-dtype tensors, without host synchronisation.
+
+    On CPU, contiguous float32 tensors use BLAS dot products (``sqrt(x . x)``), which is
+    about 1.5x faster there than ``torch._foreach_norm`` (it accumulates in double); the
+    result differs by float32 rounding. Elsewhere ``torch._foreach_norm``.
+    """
+    first = tensors[0]
+    if first.device.type != "cpu" or first.dtype != torch.float32:
+        return torch.stack(torch._foreach_norm(tensors))
+    squares = []
+    for t in tensors:
+        if t.is_contiguous():
+            flat = t.view(-1)
+            squares.append(torch.dot(flat, flat))
+        else:
+            squares.append(torch.linalg.vector_norm(t).square())
+    return torch.stack(squares).sqrt_()
+
+
 @dataclass
 class Bucket:
     """Parameters of one group that share device, compute dtype and step count.
@@ -131,6 +160,13 @@ class Bucket:
     exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
     low_precision: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     grads_owned: bool = False
+    _grad_norms: torch.Tensor | None = None
+
+    def grad_norms(self) -> torch.Tensor:
+        """``(N,)`` norms of ``grads`` as they were when the step began (computed once)."""
+        if self._grad_norms is None:
+            self._grad_norms = norms(self.grads)
+        return self._grad_norms
 
     def write_back(self) -> None:
         """Round the fp32 master weights into their low-precision parameters."""
@@ -193,10 +229,35 @@ class LayerwiseAdaptiveOptimizer(torch.optim.Optimizer):
                 bucket.grads.append(p.grad)
         return list(buckets.values())
 
+    def _scratch(self, bucket: Bucket, slot: int) -> list[torch.Tensor]:
+        """Work buffers shaped like ``bucket.weights``, kept between steps on CPU.
+
+        On CPU, fresh memory costs a page fault per 4 KiB, so allocating a parameter-sized
+        result every step costs as much as a pass over it: there the buffers persist (they
+        are not part of the state dict). Elsewhere the caching allocator makes
+        ``empty_like`` free and nothing is kept.
+        """
+        weights = bucket.weights
+        if weights[0].device.type != "cpu":
+            return [torch.empty_like(w) for w in weights]
+        store: dict[torch.Tensor, list[torch.Tensor]] = self.__dict__.setdefault(
+            "_scratch_buffers", {}
+        )
+        out = []
+        for p, w in zip(bucket.params, weights, strict=True):
+            slots = store.setdefault(p, [])
+            while len(slots) <= slot:
+                slots.append(torch.empty(0))
+            buf = slots[slot]
+            if buf.shape != w.shape or buf.dtype != w.dtype or buf.stride() != w.stride():
+                buf = slots[slot] = torch.empty_like(w)
+            out.append(buf)
+        return out
+
     def _global_grad_norm(self, all_buckets: list[Bucket]) -> torch.Tensor:
-        norms = [torch.stack(torch._foreach_norm(b.grads)) for b in all_buckets]
-        device = norms[0].device
-        flat = torch.cat([n.to(device=device, dtype=torch.float32) for n in norms])
+        per_bucket = [b.grad_norms() for b in all_buckets]
+        device = per_bucket[0].device
+        flat = torch.cat([n.to(device=device, dtype=torch.float32) for n in per_bucket])
         return torch.linalg.vector_norm(flat)
 
     def _max_grad_norm(self) -> float | None:

@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 
-from ._multi_tensor import Bucket, LayerwiseAdaptiveOptimizer, common_defaults, trust_ratio
+from ._multi_tensor import (
+    Bucket,
+    LayerwiseAdaptiveOptimizer,
+    common_defaults,
+    norms,
+    trust_ratio,
+)
 from .factory import register_optimizer
 
 __all__ = ["Lamb"]
@@ -119,13 +125,13 @@ class Lamb(LayerwiseAdaptiveOptimizer):
         lr, eps = group["lr"], group["eps"]
         wd = self._weight_decay(group)
         w, m, v = bucket.weights, bucket.exp_avgs, bucket.exp_avg_sqs
+        work = self._scratch(bucket, 0)
         g = bucket.grads
         if clip is not None:
-            inv = torch.reciprocal(clip)
-            if bucket.grads_owned:
-                torch._foreach_mul_(g, inv)
-            else:
-                g = torch._foreach_mul(g, inv)  # the caller's .grad stays unclipped
+            if not bucket.grads_owned:  # the caller's .grad stays unclipped
+                torch._foreach_copy_(work, g)
+                g = work
+            torch._foreach_mul_(g, torch.reciprocal(clip))
 
         torch._foreach_lerp_(m, g, 1.0 - beta1)
         torch._foreach_mul_(v, beta2)
@@ -139,23 +145,24 @@ class Lamb(LayerwiseAdaptiveOptimizer):
         else:
             bc1, bc2_sqrt = 1.0, 1.0
         s = bc2_sqrt / bc1
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_add_(denom, eps * bc2_sqrt)
-        update = torch._foreach_div(m, denom)
-        del denom
+        update = work  # the clipped gradient is not needed any more
+        torch._foreach_copy_(update, v)
+        torch._foreach_sqrt_(update)
+        torch._foreach_add_(update, eps * bc2_sqrt)
+        torch._foreach_reciprocal_(update)
+        torch._foreach_mul_(update, m)  # m / denom
         if wd != 0.0:
             torch._foreach_add_(update, w, alpha=wd / s)
 
         if self._adapts(group, decays=wd != 0.0 or group["always_adapt"]):
-            weight_norm = torch.stack(torch._foreach_norm(w))
-            update_norm = torch.stack(torch._foreach_norm(update)).mul_(s)
+            weight_norm = norms(w)
+            update_norm = norms(update).mul_(s)
             ratio = trust_ratio(
                 weight_norm,
                 update_norm,
                 weight_norm_clamp=group["weight_norm_clamp"],
                 trust_clamp=group["trust_clamp"],
             )
-            torch._foreach_mul_(update, ratio.mul_(-lr * s).unbind(0))
-            torch._foreach_add_(w, update)
+            torch._foreach_addcmul_(w, update, ratio.mul_(-lr * s).unbind(0))
         else:
             torch._foreach_add_(w, update, alpha=-lr * s)

@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 
-from ._multi_tensor import Bucket, LayerwiseAdaptiveOptimizer, common_defaults, trust_ratio
+from ._multi_tensor import (
+    Bucket,
+    LayerwiseAdaptiveOptimizer,
+    common_defaults,
+    norms,
+    trust_ratio,
+)
 from .factory import register_optimizer
 
 __all__ = ["Lans"]
@@ -115,14 +121,12 @@ class Lans(LayerwiseAdaptiveOptimizer):
         w, m, v = bucket.weights, bucket.exp_avgs, bucket.exp_avg_sqs
 
         # g^ = g / (||g|| + eps), with a global clip by c folded in: (g/c) / (||g||/c + eps).
-        grad_norm = torch.stack(torch._foreach_norm(bucket.grads))
-        grad_norm.add_(eps if clip is None else clip * eps)
-        scale = torch.reciprocal(grad_norm).unbind(0)
-        if bucket.grads_owned:
-            g = bucket.grads
-            torch._foreach_mul_(g, scale)
-        else:
-            g = torch._foreach_mul(bucket.grads, scale)
+        grad_norm = bucket.grad_norms() + (eps if clip is None else clip * eps)
+        g = bucket.grads
+        if not bucket.grads_owned:  # the caller's .grad stays as it is
+            g = self._scratch(bucket, 0)
+            torch._foreach_copy_(g, bucket.grads)
+        torch._foreach_mul_(g, torch.reciprocal(grad_norm).unbind(0))
 
         torch._foreach_lerp_(m, g, 1.0 - beta1)
         torch._foreach_mul_(v, beta2)
@@ -136,12 +140,14 @@ class Lans(LayerwiseAdaptiveOptimizer):
         else:
             bc1, bc2_sqrt = 1.0, 1.0
         sm, sc = bc2_sqrt / bc1, bc2_sqrt
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_add_(denom, eps * bc2_sqrt)
-        update_m = torch._foreach_div(m, denom)
-        torch._foreach_div_(g, denom)  # g^ is not needed any more: it becomes u_c / sc
-        update_c = g
-        del denom
+        update_m = self._scratch(bucket, 1)
+        torch._foreach_copy_(update_m, v)
+        torch._foreach_sqrt_(update_m)
+        torch._foreach_add_(update_m, eps * bc2_sqrt)
+        torch._foreach_reciprocal_(update_m)  # 1 / denom
+        update_c = g  # g^ is not needed any more
+        torch._foreach_mul_(update_c, update_m)
+        torch._foreach_mul_(update_m, m)
         if wd != 0.0:
             torch._foreach_add_(update_m, w, alpha=wd / sm)
             torch._foreach_add_(update_c, w, alpha=wd / sc)
@@ -149,12 +155,12 @@ class Lans(LayerwiseAdaptiveOptimizer):
         coef_m = torch.full((len(w),), -lr * beta1 * sm, device=grad_norm.device)
         coef_c = torch.full((len(w),), -lr * (1.0 - beta1) * sc, device=grad_norm.device)
         if self._adapts(group, decays=True):
-            weight_norm = torch.stack(torch._foreach_norm(w))
+            weight_norm = norms(w)
             bounds = dict(
                 weight_norm_clamp=group["weight_norm_clamp"], trust_clamp=group["trust_clamp"]
             )
-            norm_m = torch.stack(torch._foreach_norm(update_m)).mul_(sm)
-            norm_c = torch.stack(torch._foreach_norm(update_c)).mul_(sc)
+            norm_m = norms(update_m).mul_(sm)
+            norm_c = norms(update_c).mul_(sc)
             coef_m.mul_(trust_ratio(weight_norm, norm_m, **bounds))
             coef_c.mul_(trust_ratio(weight_norm, norm_c, **bounds))
         torch._foreach_addcmul_(w, update_m, coef_m.unbind(0))
