@@ -104,12 +104,14 @@ def main() -> None:
     )
     hp = dict(lr=1e-3, weight_decay=0.01, betas=(0.9, 0.999))
     optimizers = {
-        "adamw": torch.optim.AdamW(make_params(shapes, args.device, 0), eps=1e-6, foreach=True, **hp),
+        "adamw": torch.optim.AdamW(
+            make_params(shapes, args.device, 0), eps=1e-6, foreach=True, **hp
+        ),
         "lamb": Lamb(make_params(shapes, args.device, 0), eps=1e-6, **hp),
         "lans": Lans(make_params(shapes, args.device, 0), eps=1e-6, **hp),
     }
     times: dict[str, list[float]] = {name: [] for name in optimizers}
-    for name, opt in optimizers.items():  # warm-up: lazy state, allocator
+    for opt in optimizers.values():  # warm-up: lazy state, allocator
         time_steps(opt, 2, args.device)
     for _ in range(args.rounds):
         for name, opt in optimizers.items():
