@@ -4,7 +4,8 @@
 >>> list_models("resnest5*")  # doctest: +SKIP
 """
 
-# Importing the families (nlp.bert, vision.resnest) registers their builders.
+# Importing the families (graph, nlp.bert, vision.resnest) registers their builders.
+from . import graph  # noqa: F401  (registration side effect)
 from .nlp import bert  # noqa: F401  (registration side effect)
 from .registry import get_model, get_weights, list_models, register_model
 from .store import purge

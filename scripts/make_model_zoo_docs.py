@@ -38,8 +38,48 @@ in `docs/squad.md`.
 """
 
 
+GRAPH_HEADER = """
+## Graph neural networks
+
+`get_model(name, pretrained=True)` loads weights trained here and shipped inside the
+package (no download); each entry's recipe names the command and the published run log in
+`logs/` that made it. Results are held-out test accuracy at the best-validation epoch on
+that entry's data set; `docs/gnn.md` has the commands for Cora, Citeseer, Pubmed and
+ogbn-products and the published accuracies to expect there.
+"""
+
+
 def _is_language_model(name: str) -> bool:
     return get_model_entry(name).builder.__module__.startswith("modelzoo.nlp")
+
+
+def _is_graph_model(name: str) -> bool:
+    return get_model_entry(name).builder.__module__.startswith("modelzoo.graph")
+
+
+def _graph_rows() -> list[str]:
+    rows = [
+        "| model | params | tag | data set | result | run log | file (hash) |",
+        "|---|---:|---|---|---|---|---|",
+    ]
+    for name in modelzoo.list_models():
+        if not _is_graph_model(name):
+            continue
+        entry = get_model_entry(name)
+        params = f"{_params(name) / 1e3:.1f} K"
+        if not entry.weights:
+            rows.append(f"| {name} | {params} | – | – | – | – | no published weights |")
+            continue
+        for tag, w in entry.weights.items():
+            metrics = ", ".join(f"{k} {v:.2f}" for k, v in w.metrics.items())
+            dataset = w.tags.get("dataset", "–") if w.tags else "–"
+            log = w.recipe.get("log") if w.recipe else None
+            log_text = f"`{log}`" if log else "–"
+            rows.append(
+                f"| {name} | {params} | {tag} | {dataset} | {metrics} | {log_text} | "
+                f"`{w.file_name}` ({w.hash_algo}) |"
+            )
+    return rows
 
 
 def _language_rows() -> list[str]:
@@ -74,7 +114,7 @@ def render() -> str:
         "|---|---:|---|---:|---:|---:|---|---|",
     ]
     for name in modelzoo.list_models():
-        if _is_language_model(name):
+        if _is_language_model(name) or _is_graph_model(name):
             continue
         entry = get_model_entry(name)
         params = f"{_params(name) / 1e6:.2f} M"
@@ -91,6 +131,8 @@ def render() -> str:
     text = HEADER + "\n" + "\n".join(rows) + "\n"
     if any(_is_language_model(n) for n in modelzoo.list_models()):
         text += LANGUAGE_HEADER + "\n" + "\n".join(_language_rows()) + "\n"
+    if any(_is_graph_model(n) for n in modelzoo.list_models()):
+        text += GRAPH_HEADER + "\n" + "\n".join(_graph_rows()) + "\n"
     return text
 
 

@@ -1,0 +1,177 @@
+"""GraphSAGE mini-batch training: our pipeline vs PyG's own example loop, same graph.
+
+Both train GraphSAGE-mean (2 layers, hidden 256, dropout 0.5, Adam lr 3e-3) with fan-outs
+25,10 and 1024 seeds a batch on the same synthetic SBM graph (100k nodes, 10k training
+nodes, about 1M edges), in one process, alternating epochs so that machine noise hits both
+alike.
+
+* ours: ``scripts/train_gnn.py``'s pipeline — :class:`modelzoo.graph.GraphSAGE` on
+  :class:`trainers.Trainer` (per-sample seeding, metric sums, step records), batches from
+  :class:`modelzoo.graph.sampler.NeighborSampler`; each layer computes only the nodes the
+  next one reads (``layer_sizes``, DGL's message-flow graphs).
+* PyG: the loop of PyG's ``examples/reddit.py`` / ``ogbn_products_sage.py``: its ``SAGE``
+  model of ``SAGEConv`` layers run on the whole sampled subgraph, ``NeighborLoader(num_neighbors=[25, 10], batch_size=1024,
+  shuffle=True)``, and the bare ``zero_grad/forward/backward/step`` loop.
+
+``NeighborLoader`` needs the compiled ``pyg-lib`` or ``torch-sparse``. Where neither is
+installed (no wheels for torch 2.13 on CPU), the PyG loop is fed by our sampler instead,
+and the line before the ratio says so: the ratio then measures the rest of the pipeline
+(model, trainer, loss, optimizer), not the samplers.
+
+    python benchmarks/bench_gnn.py [--nodes 100000] [--epochs 2] [--rounds 2]
+
+Prints ``ratio=<pyg_epoch_time / our_epoch_time>`` last; target: ``ratio >= 1`` (at least as
+fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from modelzoo.graph import GraphSAGE
+from modelzoo.graph.datasets import sbm_graph
+from modelzoo.graph.sampler import NeighborSampler
+from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
+
+FANOUTS = [25, 10]
+BATCH = 1024
+HIDDEN = 256
+
+
+class PyGSAGE(torch.nn.Module):
+    """PyG's example model (examples/reddit.py), verbatim apart from the names."""
+
+    def __init__(self, in_channels: int, hidden_channels: int, out_channels: int) -> None:
+        super().__init__()
+        from torch_geometric.nn import SAGEConv
+
+        self.convs = torch.nn.ModuleList()
+        self.convs.append(SAGEConv(in_channels, hidden_channels))
+        self.convs.append(SAGEConv(hidden_channels, out_channels))
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+        for i, conv in enumerate(self.convs):
+            x = conv(x, edge_index)
+            if i < len(self.convs) - 1:
+                x = x.relu_()
+                x = F.dropout(x, p=0.5, training=self.training)
+        return x
+
+
+class _OurSamplerBatches:
+    """Stands in for NeighborLoader where it cannot run: same batches, PyG ``Data`` items."""
+
+    def __init__(self, data: Any, seeds: torch.Tensor) -> None:
+        self.data, self.seeds = data, seeds
+        self.sampler = NeighborSampler(data.edge_index, data.num_nodes, FANOUTS)
+
+    def __iter__(self):
+        from torch_geometric.data import Data
+
+        perm = self.seeds[torch.randperm(self.seeds.numel())]
+        for start in range(0, perm.numel(), BATCH):
+            sub = self.sampler.sample(perm[start : start + BATCH])
+            yield Data(x=self.data.x[sub.n_id], y=self.data.y[sub.n_id],
+                       edge_index=sub.edge_index, batch_size=sub.batch_size)  # fmt: skip
+
+
+def pyg_loader(data: Any, seeds: torch.Tensor) -> tuple[Any, str]:
+    from torch_geometric.loader import NeighborLoader
+
+    try:
+        loader = NeighborLoader(data, num_neighbors=FANOUTS, batch_size=BATCH,
+                                input_nodes=seeds, shuffle=True)  # fmt: skip
+        next(iter(loader))
+        return loader, "PyG NeighborLoader"
+    except ImportError as e:
+        return _OurSamplerBatches(data, seeds), (
+            f"NeighborLoader unavailable ({e}); the PyG loop is fed by our sampler"
+        )
+
+
+def pyg_epoch(model: torch.nn.Module, opt: torch.optim.Optimizer, loader: Any) -> float:
+    model.train()
+    start = time.perf_counter()
+    for batch in loader:
+        opt.zero_grad()
+        out = model(batch.x, batch.edge_index)[: batch.batch_size]
+        loss = F.cross_entropy(out, batch.y[: batch.batch_size])
+        loss.backward()
+        opt.step()
+    return time.perf_counter() - start
+
+
+class OurRun:
+    """One Trainer that trains one more epoch per call (as train_gnn.py does)."""
+
+    def __init__(self, data: Any, seeds: torch.Tensor) -> None:
+        self.data = data
+        self.sampler = NeighborSampler(data.edge_index, data.num_nodes, FANOUTS)
+        torch.manual_seed(0)
+        self.model = GraphSAGE(data.num_node_features, 8, hidden_channels=HIDDEN, dropout=0.5)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=3e-3)
+        self.seeds = seeds
+        self.epochs = 0
+
+    def collate(self, items: list[int]) -> dict[str, Any]:
+        sub = self.sampler.sample(torch.tensor(items))
+        return {"n_id": sub.n_id, "edge_index": sub.edge_index, "batch_size": sub.batch_size,
+                "layer_sizes": sub.layer_sizes}  # fmt: skip
+
+    def train_step(self, model: torch.nn.Module, batch: dict[str, Any]):
+        n_id, size = batch["n_id"], batch["batch_size"]
+        logits = model(self.data.x[n_id], batch["edge_index"], batch["layer_sizes"])[:size]
+        labels = self.data.y[n_id[:size]]
+        loss = F.cross_entropy(logits, labels)
+        return loss, {"accuracy": (logits.argmax(1) == labels).sum(), "count": size}
+
+    def epoch(self) -> float:
+        self.epochs += 1
+        config = TrainerConfig(epochs=self.epochs, batch_size=BATCH, log_interval=2,
+                               eval_interval=0, drop_last=False, progress=False)  # fmt: skip
+        trainer = Trainer(self.model, self.opt, config, env=DistEnv(),
+                          logger=RunLogger(None, enabled=False), train_step=self.train_step)  # fmt: skip
+        trainer.epoch = self.epochs - 1
+        start = time.perf_counter()
+        trainer.fit(self.seeds.tolist(), collate_fn=self.collate)
+        return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nodes", type=int, default=100_000)
+    p.add_argument("--epochs", type=int, default=2, help="epochs per round and side")
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+
+    data = sbm_graph(args.nodes, seed=0)
+    seeds = data.train_mask.nonzero().view(-1)
+    print(f"graph: {data.num_nodes} nodes, {data.edge_index.size(1)} edges, "
+          f"{seeds.numel()} training nodes, fan-outs {FANOUTS}, batch {BATCH}")  # fmt: skip
+    loader, how = pyg_loader(data, seeds)
+    torch.manual_seed(0)
+    pyg_model = PyGSAGE(data.num_node_features, HIDDEN, 8)
+    pyg_opt = torch.optim.Adam(pyg_model.parameters(), lr=3e-3)
+    ours = OurRun(data, seeds)
+    pyg_epoch(pyg_model, pyg_opt, loader)  # warm-up both
+    ours.epoch()
+    pyg_times, our_times = [], []
+    for r in range(args.rounds):
+        for _ in range(args.epochs):
+            pyg_times.append(pyg_epoch(pyg_model, pyg_opt, loader))
+            our_times.append(ours.epoch())
+        print(f"round {r}: pyg {statistics.median(pyg_times):.3f} s/epoch, "
+              f"ours {statistics.median(our_times):.3f} s/epoch")  # fmt: skip
+    pyg, our = statistics.median(pyg_times), statistics.median(our_times)
+    print(f"peer: {how}")
+    print(f"ratio={pyg / our:.3f}")
+
+
+if __name__ == "__main__":
+    main()

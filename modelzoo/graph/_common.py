@@ -1,0 +1,111 @@
+"""Pieces the graph model families share: the published-weights entry and the base class."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..weights import Weights
+
+__all__ = ["NodeClassifier", "bipartite", "check_choice", "published"]
+
+PACKAGE_WEIGHTS = "package://modelzoo/graph/weights"
+
+
+class NodeClassifier(nn.Module):
+    """A stack of message-passing layers mapping node features to per-node class logits.
+
+    Subclasses fill ``convs`` (the hidden layers) and ``head`` (the last layer, producing the
+    logits; the ``classifier`` of their weights). ``forward(x, edge_index)``: ``x`` is
+    ``(N, in_channels)``, ``edge_index`` is ``(2, E)`` with rows ``(source, target)``; the
+    output is ``(N, num_classes)``. The same module runs on a whole graph or on a sampled
+    subgraph (:mod:`modelzoo.graph.sampler`).
+
+    Models with ``supports_layer_sizes`` also take ``layer_sizes``, one ``(num_dst,
+    num_edges)`` per layer (:attr:`SampledSubgraph.layer_sizes`): layer ``l`` then computes
+    only the first ``num_dst`` nodes from the first ``num_edges`` edges (nodes numbered by hop,
+    edges sorted by target), as DGL's message-flow graphs do, and the output has the seeds'
+    rows only. The result for those rows is the same; the outer hops' wasted work is skipped.
+    """
+
+    in_channels: int
+    num_classes: int
+    supports_layer_sizes = False
+
+    def _check_layer_sizes(
+        self, layer_sizes: Sequence[tuple[int, int]] | None
+    ) -> list[tuple[int, int] | None]:
+        layers = len(self.convs) + 1
+        if layer_sizes is None:
+            return [None] * layers
+        if len(layer_sizes) != layers:
+            raise ValueError(
+                f"{type(self).__name__} has {layers} layers but got {len(layer_sizes)} "
+                "layer_sizes; sample with one fan-out per layer"
+            )
+        return list(layer_sizes)
+
+
+def bipartite(
+    x: torch.Tensor, edge_index: torch.Tensor, size: tuple[int, int] | None
+) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Layer input: ``(x, edge_index)``, or ``((x, x[:num_dst]), edge_index[:, :num_edges])``."""
+    if size is None:
+        return x, edge_index
+    num_dst, num_edges = size
+    return (x, x[:num_dst]), edge_index[:, :num_edges]
+
+
+def check_choice(owner: str, option: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{owner}: {option} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def check_positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{owner}: {name} must be >= 1, got {value}")
+
+
+def check_dropout(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{owner}: {name} must be in [0, 1), got {value}")
+
+
+def published(
+    name: str,
+    sha256: str,
+    *,
+    num_params: int,
+    num_classes: int,
+    metrics: Mapping[str, float],
+    command: str,
+    log: str,
+    paper: str,
+    dataset: str,
+    classifier: str = "head",
+) -> Weights:
+    """Weights trained by ``scripts/train_gnn.py`` here and shipped inside the package.
+
+    The file is ``modelzoo/graph/weights/{name}-{sha256[:8]}.pth`` (a plain state dict, read
+    with ``weights_only=True``); ``command`` rebuilds it bit for bit on CPU and ``log`` is its
+    published run log.
+    """
+    return Weights(
+        url=f"{PACKAGE_WEIGHTS}/{name}-{sha256[:8]}.pth",
+        hash_prefix=sha256,
+        hash_algo="sha256",
+        file_format="pth",
+        num_params=num_params,
+        num_classes=num_classes,
+        metrics=dict(metrics),
+        source="modelzoo (trained here, shipped in the package)",
+        license="Apache-2.0",
+        classifier=classifier,
+        recipe={"command": command, "log": log, "paper": paper},
+        tags={"dataset": dataset},
+    )

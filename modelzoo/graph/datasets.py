@@ -1,0 +1,730 @@
+"""Graph datasets: the files users have on disk, a built-in real graph and synthetic graphs.
+
+* :func:`karate_club` — Zachary's karate club (34 members, 78 friendships, the two clubs
+  after the split), built in: no file needed.
+* :func:`load_planetoid` — Cora / Citeseer / Pubmed in the Planetoid raw files
+  ``ind.<name>.{x,tx,allx,y,ty,ally,graph,test.index}`` (Yang et al. 2016), with the
+  standard semi-supervised split (20 labels a class, 500 validation, 1000 test nodes). The
+  pickles are read by an unpickler that only builds the numpy/scipy/collections classes
+  those files hold, so a crafted file cannot run code.
+* :func:`load_ogb_node` — the OGB node-property layout (``raw/edge.csv.gz``,
+  ``raw/node-feat.csv.gz``, ``raw/node-label.csv.gz``,
+  ``split/<scheme>/{train,valid,test}.csv.gz``), e.g. ogbn-products, ogbn-arxiv.
+* :func:`load_edge_list` / :func:`load_npz_graph` — a plain ``src dst`` text edge list, or
+  ``.npz`` arrays ``edge_index``, ``x``, ``y`` and optional masks.
+* :func:`sbm_graph` / :func:`sbm_graph_classification` — synthetic stochastic-block-model
+  graphs of any size, for tests, benchmarks and the published runs.
+
+Nothing is downloaded unless asked (``download=True``): a missing dataset raises
+:class:`DatasetNotFoundError` saying which files to place where. Every graph comes back as a
+``torch_geometric.data.Data`` with ``x``, ``edge_index`` (both directions of every
+undirected edge, sorted by target), ``y`` and boolean ``train_mask``/``val_mask``/``test_mask``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import os
+import pickle
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..store import DownloadError, cache_root
+
+__all__ = [
+    "DatasetError",
+    "DatasetNotFoundError",
+    "KARATE_CLUB_EDGES",
+    "KARATE_CLUB_LABELS",
+    "OGB_URL",
+    "PLANETOID_NAMES",
+    "PLANETOID_URL",
+    "dataset_root",
+    "download_ogb_node",
+    "download_planetoid",
+    "karate_club",
+    "load_edge_list",
+    "load_npz_graph",
+    "load_ogb_node",
+    "load_planetoid",
+    "restricted_unpickle",
+    "sbm_graph",
+    "sbm_graph_classification",
+]
+
+PLANETOID_NAMES = ("cora", "citeseer", "pubmed")
+PLANETOID_URL = "https://github.com/kimiyoung/planetoid/raw/master/data"
+PLANETOID_SUFFIXES = ("x", "tx", "allx", "y", "ty", "ally", "graph", "test.index")
+OGB_URL = "http://snap.stanford.edu/ogb/data/nodeproppred"
+
+
+class DatasetError(ValueError):
+    """A dataset file is malformed (names the file, the field or line, and the fix)."""
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """The files of a dataset are not where they were looked for (says where to put them)."""
+
+
+def dataset_root(name: str) -> Path:
+    """Default directory of a dataset: ``$MODELZOO_HOME/datasets/<name>``."""
+    return cache_root() / "datasets" / name
+
+
+def _data(
+    x: torch.Tensor,
+    edge_index: torch.Tensor,
+    y: torch.Tensor,
+    masks: dict[str, torch.Tensor] | None = None,
+    *,
+    undirected: bool = True,
+) -> Any:
+    """A ``Data`` with coalesced edges sorted by target (both directions if undirected)."""
+    from torch_geometric.data import Data
+
+    num_nodes = x.size(0)
+    edge_index = _coalesce(edge_index, num_nodes, undirected=undirected)
+    data = Data(x=x, edge_index=edge_index, y=y)
+    for key, mask in (masks or {}).items():
+        data[key] = mask
+    data.num_classes = int(y.max()) + 1 if y.numel() else 0
+    return data
+
+
+def _coalesce(edge_index: torch.Tensor, num_nodes: int, *, undirected: bool) -> torch.Tensor:
+    """Drop self-loops and duplicates, add reverse edges if undirected, sort by (dst, src)."""
+    src, dst = edge_index
+    if undirected:
+        src, dst = torch.cat([src, dst]), torch.cat([dst, src])
+    keep = src != dst
+    key = torch.unique(dst[keep] * num_nodes + src[keep])  # sorted: by target, then source
+    return torch.stack([key % num_nodes, key // num_nodes])
+
+
+def _index_mask(index: torch.Tensor, size: int) -> torch.Tensor:
+    mask = torch.zeros(size, dtype=torch.bool)
+    mask[index] = True
+    return mask
+
+
+# ------------------------------------------------------------------------------ karate club
+#: Zachary (1977): the 78 friendships among the 34 members, 0-based as in networkx.
+KARATE_CLUB_EDGES = (
+    (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, 6), (0, 7), (0, 8), (0, 10), (0, 11), (0, 12),
+    (0, 13), (0, 17), (0, 19), (0, 21), (0, 31), (1, 2), (1, 3), (1, 7), (1, 13), (1, 17),
+    (1, 19), (1, 21), (1, 30), (2, 3), (2, 7), (2, 8), (2, 9), (2, 13), (2, 27), (2, 28),
+    (2, 32), (3, 7), (3, 12), (3, 13), (4, 6), (4, 10), (5, 6), (5, 10), (5, 16), (6, 16),
+    (8, 30), (8, 32), (8, 33), (9, 33), (13, 33), (14, 32), (14, 33), (15, 32), (15, 33),
+    (18, 32), (18, 33), (19, 33), (20, 32), (20, 33), (22, 32), (22, 33), (23, 25), (23, 27),
+    (23, 29), (23, 32), (23, 33), (24, 25), (24, 27), (24, 31), (25, 31), (26, 29), (26, 33),
+    (27, 33), (28, 31), (28, 33), (29, 32), (29, 33), (30, 32), (30, 33), (31, 32), (31, 33),
+    (32, 33),
+)  # fmt: skip
+#: The club each member joined after the split: 0 Mr. Hi (node 0), 1 Officer (node 33).
+KARATE_CLUB_LABELS = (
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 0, 1, 0, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+    1, 1, 1, 1,
+)  # fmt: skip
+#: The semi-supervised split: 3 labelled members per club (the two leaders among them),
+#: 6 for validation, the other 22 held out.
+KARATE_TRAIN = (0, 1, 2, 33, 32, 31)
+KARATE_VAL = (3, 7, 13, 29, 23, 30)
+
+
+def karate_club() -> Any:
+    """Zachary's karate club: 34 nodes, one-hot identity features, labels = the two clubs.
+
+    Returns:
+        A ``Data`` with ``x`` ``(34, 34)`` (identity), ``edge_index`` ``(2, 156)``, ``y`` the
+        club (0: Mr. Hi, 1: Officer) and masks of 6 train / 6 val / 22 test nodes.
+    """
+    edges = torch.tensor(KARATE_CLUB_EDGES, dtype=torch.long).t()
+    y = torch.tensor(KARATE_CLUB_LABELS, dtype=torch.long)
+    train = _index_mask(torch.tensor(KARATE_TRAIN), 34)
+    val = _index_mask(torch.tensor(KARATE_VAL), 34)
+    masks = {"train_mask": train, "val_mask": val, "test_mask": ~(train | val)}
+    return _data(torch.eye(34), edges, y, masks)
+
+
+# --------------------------------------------------------------------------------- Planetoid
+#: The only globals a Planetoid pickle may name: numpy arrays, scipy sparse matrices (under
+#: their Python 2 era and current module paths), the defaultdict/list of the adjacency dict,
+#: and the helpers Python 2 pickles and protocol-2 re-pickles use to rebuild them.
+_PLANETOID_GLOBALS = {
+    ("numpy", "ndarray"): "numpy:ndarray",
+    ("numpy", "dtype"): "numpy:dtype",
+    ("numpy.core.multiarray", "_reconstruct"): "numpy._core.multiarray:_reconstruct",
+    ("numpy._core.multiarray", "_reconstruct"): "numpy._core.multiarray:_reconstruct",
+    ("numpy.core.multiarray", "scalar"): "numpy._core.multiarray:scalar",
+    ("numpy._core.multiarray", "scalar"): "numpy._core.multiarray:scalar",
+    ("scipy.sparse.csr", "csr_matrix"): "scipy.sparse:csr_matrix",
+    ("scipy.sparse._csr", "csr_matrix"): "scipy.sparse:csr_matrix",
+    ("scipy.sparse.csc", "csc_matrix"): "scipy.sparse:csc_matrix",
+    ("scipy.sparse._csc", "csc_matrix"): "scipy.sparse:csc_matrix",
+    ("scipy.sparse.lil", "lil_matrix"): "scipy.sparse:lil_matrix",
+    ("scipy.sparse._lil", "lil_matrix"): "scipy.sparse:lil_matrix",
+    ("collections", "defaultdict"): "collections:defaultdict",
+    ("builtins", "list"): "builtins:list",
+    ("__builtin__", "list"): "builtins:list",
+    ("builtins", "object"): "builtins:object",
+    ("__builtin__", "object"): "builtins:object",
+    ("copy_reg", "_reconstructor"): "copyreg:_reconstructor",
+    ("copyreg", "_reconstructor"): "copyreg:_reconstructor",
+    ("_codecs", "encode"): "_codecs:encode",
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BufferedIOBase, source: str) -> None:
+        super().__init__(file, encoding="latin1")  # the files were written by Python 2
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        target = _PLANETOID_GLOBALS.get((module, name))
+        if target is None:
+            raise DatasetError(
+                f"{self.source}: the pickle asks for {module}.{name}, which a Planetoid file "
+                "never holds (only numpy arrays, scipy sparse matrices and dict/list); refusing "
+                f"to load it. Replace the file with the original from {PLANETOID_URL}"
+            )
+        import importlib
+
+        module_name, attr = target.split(":")
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except ModuleNotFoundError:  # numpy < 2 has numpy.core, not numpy._core
+            return getattr(importlib.import_module(module_name.replace("._core", ".core")), attr)
+
+
+def restricted_unpickle(path: str | os.PathLike[str]) -> Any:
+    """Load a Planetoid pickle, building only numpy/scipy/collections objects.
+
+    Raises:
+        DatasetError: The pickle names any other class or is truncated/corrupt.
+    """
+    path = Path(path)
+    with path.open("rb") as f:
+        try:
+            return _RestrictedUnpickler(f, str(path)).load()
+        except DatasetError:
+            raise
+        except Exception as e:  # noqa: BLE001 (every unpickling failure means a bad file)
+            raise DatasetError(
+                f"{path}: not a readable Planetoid pickle ({type(e).__name__}: {e}); replace "
+                f"it with the original from {PLANETOID_URL}"
+            ) from e
+
+
+def _dense(value: Any, path: Path, field: str) -> np.ndarray:
+    if hasattr(value, "toarray"):
+        value = value.toarray()
+    array = np.asarray(value)
+    if array.ndim != 2:
+        raise DatasetError(
+            f"{path}: '{field}' must be a 2-D matrix, got shape {array.shape}; replace the file "
+            f"with the original from {PLANETOID_URL}"
+        )
+    return array.astype(np.float32)
+
+
+def _planetoid_files(root: Path, name: str) -> dict[str, Path]:
+    return {s: root / f"ind.{name}.{s}" for s in PLANETOID_SUFFIXES}
+
+
+def load_planetoid(
+    name: str, root: str | os.PathLike[str] | None = None, *, download: bool = False
+) -> Any:
+    """Cora, Citeseer or Pubmed from the Planetoid raw files, with the standard split.
+
+    Args:
+        name: ``"cora"``, ``"citeseer"`` or ``"pubmed"`` (case-insensitive).
+        root: Directory holding ``ind.<name>.*`` (default :func:`dataset_root` ``(name)``).
+        download: Fetch missing files from :data:`PLANETOID_URL` first.
+
+    Returns:
+        A ``Data`` as PyG's ``Planetoid(split="public")`` builds it: training nodes are the
+        first ``len(y)``, validation the next 500, test the ``test.index`` nodes (Citeseer's
+        isolated test nodes get zero features and label 0, excluded from no mask).
+
+    Raises:
+        DatasetNotFoundError: Files missing (the message lists them and where to put them).
+        DatasetError: A file is malformed or names a disallowed class.
+    """
+    key = name.lower()
+    if key not in PLANETOID_NAMES:
+        raise ValueError(
+            f"Planetoid name must be one of {', '.join(PLANETOID_NAMES)}, got {name!r}"
+        )
+    root = Path(root) if root is not None else dataset_root(key)
+    if download:
+        download_planetoid(key, root)
+    files = _planetoid_files(root, key)
+    missing = [p.name for p in files.values() if not p.is_file()]
+    if missing:
+        raise DatasetNotFoundError(
+            f"Planetoid {key!r}: {', '.join(missing)} not found in {root}. Download the files "
+            f"ind.{key}.* from {PLANETOID_URL} (the Planetoid repository's data/ folder) and "
+            f"place them in {root}, or pass download=True (--download) where the network is "
+            "reachable."
+        )
+    raw = {s: restricted_unpickle(p) for s, p in files.items() if s != "test.index"}
+    x, tx, allx = (_dense(raw[s], files[s], s) for s in ("x", "tx", "allx"))
+    y, ty, ally = (_dense(raw[s], files[s], s) for s in ("y", "ty", "ally"))
+    graph = raw["graph"]
+    if not isinstance(graph, dict):
+        raise DatasetError(
+            f"{files['graph']}: expected a dict node -> neighbour list, got {type(graph).__name__}"
+        )
+    test_index = _read_test_index(files["test.index"])
+    for field, a, b in (("tx", tx, ty), ("allx", allx, ally), ("x", x, y)):
+        if a.shape[0] != b.shape[0]:
+            raise DatasetError(
+                f"{files[field]}: {a.shape[0]} rows, but its labels have {b.shape[0]}; the "
+                f"ind.{key}.* files come from different releases"
+            )
+    sorted_test = np.sort(test_index)
+    if key == "citeseer":  # isolated test nodes have no row in tx/ty: pad with zeros
+        span = int(sorted_test[-1] - sorted_test[0]) + 1
+        tx_ext = np.zeros((span, tx.shape[1]), np.float32)
+        ty_ext = np.zeros((span, ty.shape[1]), np.float32)
+        tx_ext[sorted_test - sorted_test[0]] = tx
+        ty_ext[sorted_test - sorted_test[0]] = ty
+        tx, ty = tx_ext, ty_ext
+    if len(test_index) != tx.shape[0] and key != "citeseer":
+        raise DatasetError(
+            f"{files['test.index']}: {len(test_index)} test nodes, but "
+            f"{files['tx'].name} has {tx.shape[0]} rows"
+        )
+    features = np.concatenate([allx, tx])
+    labels = np.concatenate([ally, ty]).argmax(axis=1)
+    n = features.shape[0]
+    if sorted_test[-1] >= n or sorted_test[0] < 0:
+        raise DatasetError(
+            f"{files['test.index']}: node {int(sorted_test[-1])} is out of range for {n} nodes"
+        )
+    features[test_index] = features[sorted_test]
+    labels[test_index] = labels[sorted_test]
+    edges = _edges_from_dict(graph, n, files["graph"])
+    masks = {
+        "train_mask": _index_mask(torch.arange(y.shape[0]), n),
+        "val_mask": _index_mask(torch.arange(y.shape[0], y.shape[0] + 500), n),
+        "test_mask": _index_mask(torch.from_numpy(test_index), n),
+    }
+    return _data(torch.from_numpy(features), edges, torch.from_numpy(labels).long(), masks)
+
+
+def _read_test_index(path: Path) -> np.ndarray:
+    values = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            values.append(int(line))
+        except ValueError:
+            raise DatasetError(
+                f"{path}:{lineno}: expected one node index per line, got {line.strip()!r}"
+            ) from None
+    if not values:
+        raise DatasetError(f"{path}: no test node indices")
+    return np.asarray(values, dtype=np.int64)
+
+
+def _edges_from_dict(graph: dict, num_nodes: int, path: Path) -> torch.Tensor:
+    src, dst = [], []
+    for node, neighbours in graph.items():
+        if not isinstance(node, (int, np.integer)) or not isinstance(neighbours, (list, tuple)):
+            raise DatasetError(
+                f"{path}: entry {node!r} -> {type(neighbours).__name__}: expected int -> list"
+            )
+        src.extend([int(node)] * len(neighbours))
+        dst.extend(int(v) for v in neighbours)
+    edges = torch.tensor([src, dst], dtype=torch.long).reshape(2, -1)
+    if edges.numel() and (int(edges.max()) >= num_nodes or int(edges.min()) < 0):
+        raise DatasetError(f"{path}: an edge names node {int(edges.max())}, beyond {num_nodes}")
+    return edges
+
+
+# ------------------------------------------------------------------------------------- OGB
+def _read_csv(path: Path, dtype: type, *, columns: int | None = None) -> np.ndarray:
+    if not path.is_file():
+        raise DatasetNotFoundError(f"{path} not found")
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            rows = [line.strip() for line in f if line.strip()]
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise DatasetError(f"{path}: cannot read it ({type(e).__name__}: {e})") from e
+    out = []
+    for lineno, row in enumerate(rows, 1):
+        fields = row.split(",")
+        if columns is not None and len(fields) != columns:
+            raise DatasetError(
+                f"{path}:{lineno}: expected {columns} comma-separated values, got {len(fields)}"
+            )
+        try:
+            out.append([dtype(float(v)) if dtype is int else dtype(v) for v in fields])
+        except ValueError:
+            raise DatasetError(f"{path}:{lineno}: not a number in {row!r}") from None
+    widths = {len(r) for r in out}
+    if len(widths) > 1:
+        raise DatasetError(f"{path}: rows have different numbers of values {sorted(widths)}")
+    return np.asarray(out, dtype=np.float32 if dtype is float else np.int64)
+
+
+def load_ogb_node(
+    name: str,
+    root: str | os.PathLike[str] | None = None,
+    *,
+    split: str | None = None,
+    download: bool = False,
+    to_undirected: bool = True,
+) -> Any:
+    """An OGB node-property dataset (``ogbn-products``, ``ogbn-arxiv``, ...) from its files.
+
+    Args:
+        name: The dataset name, e.g. ``"ogbn-products"``; its folder is ``root``.
+        root: Directory holding ``raw/`` and ``split/`` (default :func:`dataset_root`).
+        split: The split scheme folder under ``split/`` (default: the only one there).
+        download: Fetch and unpack ``<name>.zip`` from :data:`OGB_URL` first.
+        to_undirected: Add reverse edges (DGL/PyG do for products; arxiv is symmetrized too
+            in their examples).
+
+    Raises:
+        DatasetNotFoundError: Files missing (the message lists the layout to place).
+        DatasetError: A malformed file (path and line).
+    """
+    root = Path(root) if root is not None else dataset_root(name)
+    if download:
+        download_ogb_node(name, root)
+    raw = root / "raw"
+    needed = [raw / "edge.csv.gz", raw / "node-feat.csv.gz", raw / "node-label.csv.gz"]
+    schemes = (
+        sorted(p.name for p in (root / "split").iterdir()) if (root / "split").is_dir() else []
+    )
+    if split is None and len(schemes) == 1:
+        split = schemes[0]
+    missing = [p for p in needed if not p.is_file()]
+    split_dir = root / "split" / (split or "<scheme>")
+    missing += [split_dir / f"{s}.csv.gz" for s in ("train", "valid", "test")
+                if not (split_dir / f"{s}.csv.gz").is_file()]  # fmt: skip
+    if missing:
+        raise DatasetNotFoundError(
+            f"OGB dataset {name!r}: missing {', '.join(str(p.relative_to(root)) for p in missing)} "
+            f"under {root}. Unzip {OGB_URL}/{name.removeprefix('ogbn-')}.zip so that {root} holds "
+            "raw/edge.csv.gz, raw/node-feat.csv.gz, raw/node-label.csv.gz and "
+            "split/<scheme>/{train,valid,test}.csv.gz, or pass download=True (--download) where "
+            "the network is reachable."
+            + (f" Split schemes found: {schemes}." if schemes and split not in schemes else "")
+        )
+    edges = _read_csv(raw / "edge.csv.gz", int, columns=2)
+    x = _read_csv(raw / "node-feat.csv.gz", float)
+    y = _read_csv(raw / "node-label.csv.gz", int, columns=1).reshape(-1)
+    n = x.shape[0]
+    if y.shape[0] != n:
+        raise DatasetError(
+            f"{raw / 'node-label.csv.gz'}: {y.shape[0]} labels for {n} feature rows in "
+            f"{raw / 'node-feat.csv.gz'}"
+        )
+    if edges.size and (edges.max() >= n or edges.min() < 0):
+        raise DatasetError(f"{raw / 'edge.csv.gz'}: an edge names node {edges.max()}, beyond {n}")
+    masks = {}
+    for part, key in (("train", "train_mask"), ("valid", "val_mask"), ("test", "test_mask")):
+        path = split_dir / f"{part}.csv.gz"
+        index = _read_csv(path, int, columns=1).reshape(-1)
+        if index.size and (index.max() >= n or index.min() < 0):
+            raise DatasetError(f"{path}: node {index.max()} is out of range for {n} nodes")
+        masks[key] = _index_mask(torch.from_numpy(index), n)
+    edge_index = torch.from_numpy(edges).t().contiguous()
+    return _data(torch.from_numpy(x), edge_index, torch.from_numpy(y), masks,
+                 undirected=to_undirected)  # fmt: skip
+
+
+# ------------------------------------------------------------------------- edge lists, npz
+def load_edge_list(
+    path: str | os.PathLike[str], *, num_nodes: int | None = None, delimiter: str | None = None
+) -> torch.Tensor:
+    """A plain-text edge list: one ``src dst`` pair a line (``#`` comments, blank lines ok).
+
+    Returns:
+        ``edge_index`` ``(2, E)`` as written (no symmetrization).
+
+    Raises:
+        DatasetNotFoundError: No such file.
+        DatasetError: A line without two integer node ids, or an id out of ``num_nodes``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetNotFoundError(f"edge list {path} not found")
+    pairs = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            text = line.split("#", 1)[0].strip()
+            if not text:
+                continue
+            fields = text.split(delimiter)
+            if len(fields) < 2:
+                raise DatasetError(f"{path}:{lineno}: expected 'src dst', got {text!r}")
+            try:
+                src, dst = int(fields[0]), int(fields[1])
+            except ValueError:
+                raise DatasetError(
+                    f"{path}:{lineno}: node ids must be integers, got {text!r}"
+                ) from None
+            if src < 0 or dst < 0 or (num_nodes is not None and max(src, dst) >= num_nodes):
+                raise DatasetError(
+                    f"{path}:{lineno}: node id out of range [0, {num_nodes}) in {text!r}"
+                )
+            pairs.append((src, dst))
+    return torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).t().contiguous()
+
+
+def load_npz_graph(path: str | os.PathLike[str], *, undirected: bool = True) -> Any:
+    """A graph in an ``.npz``: ``edge_index`` ``(2, E)`` (or ``edges`` ``(E, 2)``), ``x``,
+    ``y`` and optionally boolean ``train_mask``/``val_mask``/``test_mask``.
+
+    Raises:
+        DatasetNotFoundError: No such file.
+        DatasetError: A missing array or inconsistent shapes (named).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetNotFoundError(f"graph file {path} not found")
+    try:
+        arrays = dict(np.load(path, allow_pickle=False))
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise DatasetError(f"{path}: not a readable .npz ({e})") from e
+    if "edge_index" in arrays:
+        edges = arrays["edge_index"]
+    elif "edges" in arrays:
+        edges = arrays["edges"].T
+    else:
+        raise DatasetError(f"{path}: needs an 'edge_index' (2, E) or 'edges' (E, 2) array")
+    for key in ("x", "y"):
+        if key not in arrays:
+            raise DatasetError(f"{path}: needs an array {key!r}; it has {sorted(arrays)}")
+    x, y = arrays["x"], arrays["y"]
+    n = x.shape[0]
+    if edges.ndim != 2 or edges.shape[0] != 2:
+        raise DatasetError(f"{path}: 'edge_index' must have shape (2, E), got {edges.shape}")
+    if y.shape[0] != n:
+        raise DatasetError(f"{path}: 'y' has {y.shape[0]} entries for {n} rows of 'x'")
+    if edges.size and (edges.max() >= n or edges.min() < 0):
+        raise DatasetError(f"{path}: 'edge_index' names node {edges.max()}, beyond {n} nodes")
+    masks = {}
+    for key in ("train_mask", "val_mask", "test_mask"):
+        if key in arrays:
+            if arrays[key].shape != (n,):
+                raise DatasetError(
+                    f"{path}: {key!r} must have shape ({n},), got {arrays[key].shape}"
+                )
+            masks[key] = torch.from_numpy(arrays[key].astype(bool))
+    return _data(torch.from_numpy(x.astype(np.float32)), torch.from_numpy(edges.astype(np.int64)),
+                 torch.from_numpy(y.astype(np.int64)), masks, undirected=undirected)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- synthetic
+def _split_masks(
+    num_nodes: int, fractions: Sequence[float], generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    perm = torch.randperm(num_nodes, generator=generator)
+    sizes = [int(f * num_nodes) for f in fractions]
+    masks, start = {}, 0
+    for key, size in zip(("train_mask", "val_mask", "test_mask"), sizes, strict=True):
+        masks[key] = _index_mask(perm[start : start + size], num_nodes)
+        start += size
+    return masks
+
+
+def _planted_edges(
+    blocks: torch.Tensor, num_blocks: int, num_edges: int, p_intra: float, g: torch.Generator
+) -> torch.Tensor:
+    """``num_edges`` edges whose ends share a block with probability ``p_intra``.
+
+    Node ``i`` is in block ``blocks[i]``; the other end is uniform within the chosen block.
+    """
+    n = blocks.numel()
+    order = torch.argsort(blocks, stable=True)  # nodes grouped by block
+    counts = torch.bincount(blocks, minlength=num_blocks)
+    starts = torch.cumsum(counts, 0) - counts
+    src = torch.randint(n, (num_edges,), generator=g)
+    same = torch.rand(num_edges, generator=g) < p_intra
+    shift = torch.randint(1, max(num_blocks, 2), (num_edges,), generator=g)
+    target_block = torch.where(same, blocks[src], (blocks[src] + shift) % num_blocks)
+    target_block = torch.where(counts[target_block] > 0, target_block, blocks[src])  # empty
+    offset = (torch.rand(num_edges, generator=g) * counts[target_block]).long()
+    dst = order[starts[target_block] + offset]
+    return torch.stack([src, dst])
+
+
+def sbm_graph(
+    num_nodes: int = 100_000,
+    *,
+    num_blocks: int = 8,
+    avg_degree: float = 10.0,
+    p_intra: float = 0.6,
+    num_features: int = 32,
+    feature_signal: float = 0.4,
+    split: Sequence[float] = (0.1, 0.1, 0.8),
+    seed: int = 0,
+) -> Any:
+    """A planted-partition stochastic block model graph for node classification.
+
+    Each node's block (its label) is uniform over ``num_blocks``; ``num_nodes * avg_degree
+    / 2`` undirected edges are drawn with a uniform first end and a second end in the same
+    block with probability ``p_intra`` (else in another block), duplicates and self-loops
+    dropped. Features are ``feature_signal * mu[block] + N(0, I)`` with ``mu`` standard
+    normal per block, so neither the features nor the structure alone give the label away.
+    The graph depends only on the arguments (CPU generator seeded with ``seed``).
+
+    Returns:
+        A ``Data`` with random ``split`` train/val/test masks.
+    """
+    if num_blocks < 2 or num_nodes < num_blocks:
+        raise ValueError(
+            f"sbm_graph: need num_nodes >= num_blocks >= 2, got {num_nodes}, {num_blocks}"
+        )
+    if not 0.0 <= p_intra <= 1.0:
+        raise ValueError(f"sbm_graph: p_intra must be in [0, 1], got {p_intra}")
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(num_blocks, (num_nodes,), generator=g)
+    edges = _planted_edges(blocks, num_blocks, int(num_nodes * avg_degree / 2), p_intra, g)
+    mu = torch.randn(num_blocks, num_features, generator=g)
+    x = feature_signal * mu[blocks] + torch.randn(num_nodes, num_features, generator=g)
+    return _data(x, edges, blocks, _split_masks(num_nodes, split, g))
+
+
+#: Graph classes of :func:`sbm_graph_classification`: (blocks, average degree, p_intra).
+SBM_GRAPH_CLASSES = ((1, 2.5, 1.0), (2, 5.0, 0.9), (4, 10.0, 0.8))
+
+
+def sbm_graph_classification(
+    num_graphs: int = 2500,
+    *,
+    min_nodes: int = 20,
+    max_nodes: int = 60,
+    split: Sequence[float] = (0.8, 0.1, 0.1),
+    seed: int = 0,
+) -> tuple[list[Any], dict[str, list[int]]]:
+    """Small SBM graphs labelled by the model that made them (:data:`SBM_GRAPH_CLASSES`).
+
+    Class ``c`` graphs have ``SBM_GRAPH_CLASSES[c]`` blocks, average degree and intra-block
+    edge probability, a uniform size in ``[min_nodes, max_nodes]`` and one constant input
+    feature per node (as TU datasets without node labels), so a classifier has to read the
+    structure. About 100k nodes with the defaults.
+
+    Returns:
+        The graphs (``Data`` with ``x`` ``(n, 1)``, ``edge_index``, ``y`` ``(1,)``) and the
+        ``{"train", "val", "test"}`` graph indices.
+    """
+    from torch_geometric.data import Data
+
+    g = torch.Generator().manual_seed(seed)
+    graphs = []
+    for _ in range(num_graphs):
+        label = int(torch.randint(len(SBM_GRAPH_CLASSES), (1,), generator=g))
+        blocks_k, degree, p_intra = SBM_GRAPH_CLASSES[label]
+        n = int(torch.randint(min_nodes, max_nodes + 1, (1,), generator=g))
+        blocks = torch.randint(blocks_k, (n,), generator=g)
+        edges = _planted_edges(blocks, blocks_k, int(n * degree / 2), p_intra, g)
+        edge_index = _coalesce(edges, n, undirected=True)
+        graphs.append(Data(x=torch.ones(n, 1), edge_index=edge_index, y=torch.tensor([label])))
+    perm = torch.randperm(num_graphs, generator=g).tolist()
+    a, b = int(split[0] * num_graphs), int((split[0] + split[1]) * num_graphs)
+    return graphs, {"train": perm[:a], "val": perm[a:b], "test": perm[b:]}
+
+
+# -------------------------------------------------------------------------------- download
+def _download_file(url: str, dest: Path, timeout: float = 60.0) -> None:
+    """Stream ``url`` into ``dest`` through a temporary file renamed into place."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as tmp:
+            try:
+                response = urllib.request.urlopen(url, timeout=timeout)
+            except urllib.error.HTTPError as e:
+                raise DownloadError(f"Could not download {url}: HTTP {e.code} {e.reason}") from e
+            except (urllib.error.URLError, OSError) as e:
+                raise DownloadError(
+                    f"Could not download {url}: {getattr(e, 'reason', e)}. Without network, "
+                    f"download it elsewhere and place it at {dest}"
+                ) from e
+            with response:
+                length = response.headers.get("Content-Length")
+                received = 0
+                while chunk := response.read(1 << 20):
+                    tmp.write(chunk)
+                    received += len(chunk)
+            if length is not None and length.isdigit() and received != int(length):
+                raise DownloadError(
+                    f"Could not download {url}: the connection closed after {received} of "
+                    f"{length} bytes; nothing was kept at {dest}"
+                )
+        os.chmod(tmp_name, 0o644)
+        os.replace(tmp_name, dest)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+
+
+def download_planetoid(
+    name: str, root: str | os.PathLike[str], *, base_url: str = PLANETOID_URL
+) -> Path:
+    """Fetch the missing ``ind.<name>.*`` files from ``base_url`` into ``root``."""
+    root = Path(root)
+    for suffix in PLANETOID_SUFFIXES:
+        dest = root / f"ind.{name}.{suffix}"
+        if not dest.is_file():
+            _download_file(f"{base_url.rstrip('/')}/{dest.name}", dest)
+    return root
+
+
+def download_ogb_node(name: str, root: str | os.PathLike[str], *, base_url: str = OGB_URL) -> Path:
+    """Fetch ``<base_url>/<short name>.zip`` and unpack its dataset folder into ``root``.
+
+    OGB zips hold one top folder (``products/raw/...``); its content becomes ``root``. The
+    archive is unpacked into a temporary folder next to ``root`` and renamed into place, after
+    rejecting absolute paths and ``..`` members.
+    """
+    root = Path(root)
+    if (root / "raw" / "edge.csv.gz").is_file():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    short = name.removeprefix("ogbn-")
+    url = f"{base_url.rstrip('/')}/{short}.zip"
+    work = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}."))
+    try:
+        archive = work / f"{short}.zip"
+        _download_file(url, archive)
+        try:
+            with zipfile.ZipFile(archive) as zf:
+                names = zf.namelist()
+                bad = [
+                    m for m in names if m.startswith("/") or ".." in m.replace("\\", "/").split("/")
+                ]
+                if bad:
+                    raise DownloadError(f"{url}: unsafe member names {bad}; refusing to unpack")
+                zf.extractall(work / "unpacked")
+        except zipfile.BadZipFile as e:
+            raise DownloadError(f"{url}: not a valid zip archive ({e})") from e
+        tops = [p for p in (work / "unpacked").iterdir()]
+        source = tops[0] if len(tops) == 1 and tops[0].is_dir() else work / "unpacked"
+        if not (source / "raw" / "edge.csv.gz").is_file():
+            raise DownloadError(f"{url}: the archive has no raw/edge.csv.gz")
+        if root.exists():
+            shutil.rmtree(root)
+        os.replace(source, root)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return root

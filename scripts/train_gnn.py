@@ -1,0 +1,428 @@
+"""Train a GNN from the zoo on the shared Trainer: DGL's examples, one script.
+
+Node classification (GCN, GraphSAGE, GAT) full-graph, or on neighbour-sampled mini-batches
+with ``--fanouts 25,10``; graph classification (GIN). With no flags it trains a GCN on
+Zachary's karate club (built in) and prints the held-out accuracy:
+
+    python scripts/train_gnn.py
+
+Planetoid, as in DGL's examples (files from the Planetoid repository in --data-dir):
+
+    python scripts/train_gnn.py --dataset cora --model gcn --data-dir ~/data/cora
+    python scripts/train_gnn.py --dataset cora --model gat --lr 0.005 --early-stop 100
+    python scripts/train_gnn.py --dataset ogbn-products --model graphsage_mean \
+        --hidden 256 --dropout 0.5 --fanouts 25,10 --batch-size 1024 --lr 0.003 --num-epochs 20
+
+Mini-batch training runs data-parallel under ``torchrun --nproc-per-node N``
+(``--batch-size`` seeds per worker). Evaluation runs on the whole graph with all
+neighbours, as DGL's and PyG's examples do; ``--early-stop P`` stops after P evaluations
+without a better validation accuracy and keeps the best weights. Every run writes a JSON
+Lines run log (``--run-log``) that ``scripts/reproduce.py`` reruns and compares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import io
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+import modelzoo
+from modelzoo.graph import datasets as gdata
+from modelzoo.graph.sampler import NeighborSampler
+from modelzoo.store import cache_root
+from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
+from trainers.cli import (
+    add_distributed_args,
+    add_optimizer_args,
+    add_schedule_args,
+    build_combiner,
+    build_optimizer,
+    build_schedule,
+)
+from trainers.optim import list_optimizers, register_optimizer
+
+if "adam" not in list_optimizers():
+    # DGL's recipes use Adam with L2 weight decay (coupled), which adamw is not.
+    @register_optimizer("adam")
+    def _adam(
+        params: Any, *, lr: float, betas: tuple[float, float], eps: float = 1e-8,
+        weight_decay: float, **kwargs: Any,
+    ) -> torch.optim.Optimizer:  # fmt: skip
+        return torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+NODE_DATASETS = ("karate", "sbm", "cora", "citeseer", "pubmed", "npz")
+GRAPH_DATASETS = ("sbm_graphs",)
+FULL = "full"  # the single item of a full-graph epoch or evaluation
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Train a GNN from the model zoo (node or graph classification).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = p.add_argument_group("data")
+    d.add_argument(
+        "--dataset", type=str.lower, default="karate",
+        help=f"one of {', '.join(NODE_DATASETS + GRAPH_DATASETS)} or ogbn-<name>",
+    )  # fmt: skip
+    d.add_argument("--data-dir", type=str, default=None, help="folder of the dataset's files")
+    d.add_argument("--download", action="store_true", help="fetch missing files from the host")
+    d.add_argument("--ogb-split", type=str, default=None, help="OGB split scheme folder")
+    d.add_argument("--npz", type=str, default=None, help="--dataset npz: the .npz file")
+    d.add_argument("--normalize-features", action="store_true", help="row-normalize x (DGL)")
+    d.add_argument("--sbm-nodes", type=int, default=100_000, help="--dataset sbm: nodes")
+    d.add_argument("--sbm-degree", type=float, default=10.0, help="--dataset sbm: avg degree")
+    d.add_argument("--sbm-graphs", type=int, default=2500, help="--dataset sbm_graphs: graphs")
+    d.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic graphs")
+
+    m = p.add_argument_group("model")
+    m.add_argument("--model", type=str, default="gcn", help="a graph model of list_models()")
+    m.add_argument("--hidden", type=int, default=None, help="hidden width (per head for GAT)")
+    m.add_argument("--num-layers", type=int, default=None, help="layers (GIN: with the input)")
+    m.add_argument("--heads", type=int, default=None, help="GAT: hidden attention heads")
+    m.add_argument("--dropout", type=float, default=None, help="feature dropout")
+    m.add_argument("--use-pretrained", action="store_true", help="start from published weights")
+
+    add_optimizer_args(p, default="adam", lr=0.01)
+    add_schedule_args(p, default="constant")
+    add_distributed_args(p)
+    p.set_defaults(wd=5e-4)
+    o = p.add_argument_group("training")
+    o.add_argument(
+        "--fanouts", type=str, default="",
+        help="neighbours sampled per layer, e.g. 25,10 (-1: all); empty: full-graph training",
+    )  # fmt: skip
+    o.add_argument("--batch-size", type=int, default=1024, help="mini-batch: seeds (graphs)/worker")
+    o.add_argument("--num-epochs", type=int, default=200)
+    o.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
+    o.add_argument("--early-stop", type=int, default=0, help="patience in evaluations (0: off)")
+    o.add_argument("--eval-interval", type=int, default=1, help="epochs between evaluations")
+    o.add_argument("--seed", type=int, default=0)
+
+    g = p.add_argument_group("logging and weights")
+    g.add_argument("--log-interval", type=int, default=None, help="steps between step records")
+    g.add_argument("--run-log", type=str, default=None, help="JSON Lines run log")
+    g.add_argument("--save-dir", type=str, default=None, help="trainer checkpoints")
+    g.add_argument(
+        "--export-weights", action="store_true",
+        help="write the kept weights as <model>-<sha256[:8]>.pth to $MODELZOO_HOME/trained",
+    )  # fmt: skip
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+
+    known = NODE_DATASETS + GRAPH_DATASETS
+    if args.dataset not in known and not args.dataset.startswith("ogbn-"):
+        p.error(f"--dataset {args.dataset!r}: choose one of {', '.join(known)} or ogbn-<name>")
+    try:
+        args.fanout_list = [int(f) for f in args.fanouts.split(",") if f.strip()]
+    except ValueError:
+        p.error(f"--fanouts must be comma-separated integers like 25,10, got {args.fanouts!r}")
+    if args.dataset == "npz" and not args.npz:
+        p.error("--dataset npz needs --npz PATH")
+    return args
+
+
+# ------------------------------------------------------------------------------------- data
+def load_dataset(args: argparse.Namespace) -> Any:
+    """The node-classification ``Data``, or ``(graphs, splits)`` for graph classification."""
+    name, root = args.dataset, args.data_dir
+    if name == "karate":
+        data = gdata.karate_club()
+    elif name == "sbm":
+        data = gdata.sbm_graph(args.sbm_nodes, avg_degree=args.sbm_degree, seed=args.data_seed)
+    elif name == "sbm_graphs":
+        return gdata.sbm_graph_classification(args.sbm_graphs, seed=args.data_seed)
+    elif name in gdata.PLANETOID_NAMES:
+        data = gdata.load_planetoid(name, root, download=args.download)
+    elif name == "npz":
+        data = gdata.load_npz_graph(args.npz)
+    else:
+        data = gdata.load_ogb_node(name, root, split=args.ogb_split, download=args.download)
+    for key in ("train_mask", "val_mask", "test_mask"):
+        if key not in data:
+            raise SystemExit(f"dataset {name!r} has no {key}; a node split is needed to train")
+    if args.normalize_features:
+        data.x = data.x / data.x.sum(dim=1, keepdim=True).clamp(min=1e-12)
+    return data
+
+
+class NodeItems(Dataset):
+    """The items the Trainer batches: training node ids, or the one ``FULL`` item."""
+
+    def __init__(self, nodes: torch.Tensor | None) -> None:
+        self.nodes = nodes
+
+    def __len__(self) -> int:
+        return 1 if self.nodes is None else self.nodes.numel()
+
+    def __getitem__(self, index: int) -> Any:
+        return FULL if self.nodes is None else int(self.nodes[index])
+
+
+def _accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if labels.numel() == 0:
+        return torch.tensor(math.nan)
+    return (logits.argmax(dim=1) == labels).float().mean()
+
+
+class NodeClassificationTask:
+    """Full-graph or sampled mini-batch steps, and whole-graph evaluation."""
+
+    def __init__(self, data: Any, device: torch.device, fanouts: list[int]) -> None:
+        self.x = data.x.to(device)
+        self.edge_index = data.edge_index.to(device)
+        self.y = data.y.to(device)
+        self.masks = {k: data[k].to(device) for k in ("train_mask", "val_mask", "test_mask")}
+        self.sampler = (
+            NeighborSampler(data.edge_index, data.num_nodes, fanouts) if fanouts else None
+        )
+        self.trim = False  # set when the model computes only what each layer needs
+
+    def collate(self, items: list[Any]) -> Any:
+        if items == [FULL]:
+            return FULL
+        sub = self.sampler.sample(torch.tensor(items, dtype=torch.long))
+        return {"n_id": sub.n_id, "edge_index": sub.edge_index, "batch_size": sub.batch_size,
+                "layer_sizes": sub.layer_sizes}  # fmt: skip
+
+    def train_step(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict]:
+        if batch == FULL:
+            mask = self.masks["train_mask"]
+            logits = model(self.x, self.edge_index)[mask]  # (N_train, C)
+            labels = self.y[mask]
+        else:
+            n_id = batch["n_id"].to(self.x.device)
+            sizes = {"layer_sizes": batch["layer_sizes"]} if self.trim else {}
+            out = model(self.x[n_id], batch["edge_index"].to(self.x.device), **sizes)
+            logits = out[: batch["batch_size"]]  # (B, C)
+            labels = self.y[n_id[: batch["batch_size"]]]
+        loss = F.cross_entropy(logits, labels)
+        correct = (logits.argmax(dim=1) == labels).sum()
+        return loss, {"accuracy": correct, "count": labels.numel()}
+
+    def eval_step(self, model: torch.nn.Module, batch: Any) -> dict[str, Any]:
+        logits = model(self.x, self.edge_index).float()  # (N, C): all neighbours
+        val, test = self.masks["val_mask"], self.masks["test_mask"]
+        return {
+            "val_acc": _accuracy(logits[val], self.y[val]),
+            "val_loss": F.cross_entropy(logits[val], self.y[val]),
+            "test_acc": _accuracy(logits[test], self.y[test]),
+        }
+
+
+class GraphClassificationTask:
+    """Mini-batches of whole graphs (PyG ``Batch``) and evaluation on the held-out graphs."""
+
+    def __init__(self, graphs: list[Any], splits: dict[str, list[int]], device: torch.device):
+        self.graphs, self.splits, self.device = graphs, splits, device
+
+    def _batch(self, indices: list[int]) -> dict[str, Any]:
+        from torch_geometric.data import Batch
+
+        b = Batch.from_data_list([self.graphs[i] for i in indices])
+        return {"x": b.x, "edge_index": b.edge_index, "batch": b.batch, "y": b.y,
+                "num_graphs": b.num_graphs}  # fmt: skip
+
+    def collate(self, items: list[Any]) -> Any:
+        return FULL if items == [FULL] else self._batch(items)
+
+    def _forward(self, model: torch.nn.Module, b: dict[str, Any]) -> torch.Tensor:
+        dev = self.device
+        return model(b["x"].to(dev), b["edge_index"].to(dev), b["batch"].to(dev), b["num_graphs"])
+
+    def train_step(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict]:
+        logits = self._forward(model, batch)  # (G, C)
+        labels = batch["y"].to(self.device)
+        loss = F.cross_entropy(logits, labels)
+        return loss, {"accuracy": (logits.argmax(1) == labels).sum(), "count": labels.numel()}
+
+    def eval_step(self, model: torch.nn.Module, batch: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for split in ("val", "test"):
+            indices = self.splits[split]
+            logits, labels = [], []
+            for start in range(0, len(indices), 512):
+                b = self._batch(indices[start : start + 512])
+                logits.append(self._forward(model, b).float())
+                labels.append(b["y"].to(self.device))
+            logits_all, labels_all = torch.cat(logits), torch.cat(labels)
+            out[f"{split}_acc"] = _accuracy(logits_all, labels_all)
+            if split == "val":
+                out["val_loss"] = F.cross_entropy(logits_all, labels_all)
+        return out
+
+
+class EarlyStopping:
+    """Keeps the weights of the best validation accuracy (ties: lower validation loss).
+
+    With ``patience`` > 0 it ends training after that many evaluations without a better one
+    (by capping the trainer's ``max_steps`` at the current step). After every evaluation the
+    trainer's ``last_eval`` also carries ``best_epoch``, ``best_val_acc`` and
+    ``best_test_acc``, so the ``end`` record states the kept model's accuracy.
+    """
+
+    def __init__(self, model: torch.nn.Module, patience: int) -> None:
+        self.model, self.patience = model, patience
+        self.best: tuple[float, float] | None = None
+        self.best_metrics: dict[str, float] = {}
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.bad = 0
+
+    def on_eval_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        score = (metrics["val_acc"], -metrics["val_loss"])
+        if self.best is None or score > self.best:
+            self.best, self.bad = score, 0
+            self.best_state = copy.deepcopy(self.model.state_dict())
+            self.best_metrics = {
+                "best_epoch": trainer.epoch, "best_val_acc": metrics["val_acc"],
+                "best_test_acc": metrics["test_acc"],
+            }  # fmt: skip
+        else:
+            self.bad += 1
+            if self.patience and self.bad >= self.patience:
+                trainer.logger.info(
+                    f"Early stopping: no better validation accuracy in {self.bad} evaluations"
+                )
+                trainer.config.max_steps = trainer.global_step
+        trainer.last_eval = {**metrics, **self.best_metrics}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "best_metrics": self.best_metrics, "bad": self.bad,
+                "best_state": self.best_state}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = tuple(state["best"]) if state["best"] is not None else None
+        self.best_metrics, self.bad = dict(state["best_metrics"]), int(state["bad"])
+        self.best_state = state["best_state"]
+
+
+def export_weights(model: torch.nn.Module, name: str, directory: Path) -> Path:
+    """Write the state dict as ``<name>-<sha256[:8]>.pth`` (temp file, then rename)."""
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    payload = buffer.getvalue()
+    digest = hashlib.sha256(payload).hexdigest()
+    directory.mkdir(parents=True, exist_ok=True)
+    dest = directory / f"{name}-{digest[:8]}.pth"
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{dest.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return dest
+
+
+def _model_options(args: argparse.Namespace) -> dict[str, Any]:
+    options = {"hidden_channels": args.hidden, "num_layers": args.num_layers,
+               "heads": args.heads, "dropout": args.dropout}  # fmt: skip
+    return {k: v for k, v in options.items() if v is not None}
+
+
+# ------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = DistEnv.from_env()
+    command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    logger = RunLogger(args.run_log, enabled=env.is_main)
+    logger.write(make_header(command, args.seed, env.world_size, args))
+
+    loaded = load_dataset(args)
+    graph_level = args.dataset in GRAPH_DATASETS
+    if graph_level:
+        graphs, splits = loaded
+        in_channels = graphs[0].num_node_features
+        num_classes = int(max(int(g.y) for g in graphs)) + 1
+        task: Any = GraphClassificationTask(graphs, splits, env.device)
+        train_set: Dataset = NodeItems(torch.tensor(splits["train"]))
+        batch_size = args.batch_size
+    else:
+        data = loaded
+        in_channels, num_classes = data.num_node_features, int(data.y.max()) + 1
+        task = NodeClassificationTask(data, env.device, args.fanout_list)
+        minibatch = bool(args.fanout_list)
+        if not minibatch and env.world_size > 1:
+            raise SystemExit(
+                "full-graph training runs in one process; give --fanouts (e.g. 25,10) to "
+                "train on sampled mini-batches data-parallel"
+            )
+        train_nodes = data.train_mask.nonzero().view(-1)
+        train_set = NodeItems(train_nodes if minibatch else None)
+        batch_size = args.batch_size if minibatch else 1
+    if len(train_set) < batch_size * env.world_size:
+        batch_size = max(1, len(train_set) // env.world_size)
+
+    torch.manual_seed(args.seed)  # the same initial weights on every rank and every rerun
+    options = _model_options(args)
+    try:
+        model = modelzoo.get_model(
+            args.model, pretrained=args.use_pretrained, num_classes=num_classes,
+            in_channels=in_channels, progress=env.is_main, **options,
+        )  # fmt: skip
+    except TypeError as e:
+        flags = ", ".join(f"--{k.split('_')[0]}" for k in options)
+        raise SystemExit(f"--model {args.model} does not take one of {flags}: {e}") from None
+    if not graph_level:
+        task.trim = getattr(model, "supports_layer_sizes", False)
+    logger.info(f"{args.model}: {sum(p.numel() for p in model.parameters())} parameters, "
+                f"{in_channels} input features, {num_classes} classes")  # fmt: skip
+    optimizer = build_optimizer(args, model)
+    steps_per_epoch = max(1, len(train_set) // (batch_size * env.world_size))
+    schedule = build_schedule(args, steps_per_epoch=steps_per_epoch, epochs=args.num_epochs)
+    config = TrainerConfig(
+        epochs=args.num_epochs,
+        max_steps=args.max_steps,
+        batch_size=batch_size,
+        log_interval=args.log_interval or max(1, steps_per_epoch // 4),
+        eval_interval=args.eval_interval,
+        save_dir=args.save_dir,
+        save_frequency=0,
+        seed=args.seed,
+        drop_last=False,
+        progress=not args.no_progress,
+    )
+    stopper = EarlyStopping(model, args.early_stop)
+    trainer = Trainer(
+        model, optimizer, config, env=env, logger=logger, lr_schedule=schedule,
+        train_step=task.train_step, eval_step=task.eval_step,
+        combiner=build_combiner(args, env), hooks=[stopper],
+    )  # fmt: skip
+
+    start = time.perf_counter()
+    metrics = trainer.fit(train_set, eval_dataset=NodeItems(None), collate_fn=task.collate)
+    if stopper.best_state is not None:
+        model.load_state_dict(stopper.best_state)
+    if env.is_main:
+        best = stopper.best_metrics
+        if best:
+            logger.info(
+                f"Best validation accuracy {best['best_val_acc']:.4f} at epoch "
+                f"{best['best_epoch']}: held-out test accuracy {best['best_test_acc']:.4f} "
+                f"({time.perf_counter() - start:.1f} s)"
+            )
+        if args.export_weights:
+            path = export_weights(model, args.model, cache_root() / "trained")
+            logger.info(f"Weights written to {path}")
+    logger.close()
+    env.destroy()
+    return 0 if all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
