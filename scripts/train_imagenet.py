@@ -13,7 +13,9 @@ ImageNet, as GluonCV users know it (flag names are GluonCV's):
         --dropblock-prob 0.1 --dtype bfloat16 -j 8 --save-dir runs/resnest50
 
 The same command under ``torchrun --nproc-per-node 8 [--nnodes ...]`` trains data-parallel
-(``--batch-size`` is per worker). Every run writes a JSON Lines run log (``--run-log``) that
+(``--batch-size`` is per worker; ``--grad-combine`` picks how the workers combine gradients:
+averaging, Adasum, compression with error feedback, CSER, PowerSGD, local SGD, SlowMo, Local
+AdaAlter — docs/communication.md). Every run writes a JSON Lines run log (``--run-log``) that
 ``scripts/reproduce.py`` can rerun and compare.
 """
 

@@ -5,7 +5,7 @@ precision, clipping, gradient combining, evaluation, checkpoints, run logs). Thi
 never imports ``modelzoo``.
 """
 
-from . import adasum, elastic, optim, schedules
+from . import adasum, compress, elastic, localsgd, optim, schedules
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .combine import AverageCombiner, GradCombiner, unwrap_model
 from .data import SeededDataset, ShardedSampler, derive_seed
@@ -15,7 +15,9 @@ from .trainer import Trainer, TrainerConfig
 
 __all__ = [
     "adasum",
+    "compress",
     "elastic",
+    "localsgd",
     "optim",
     "schedules",
     "AverageCombiner",

@@ -16,7 +16,17 @@ from torch import nn
 
 from .adasum import ADASUM_MODES, AdasumDeltaCombiner, AdasumGradCombiner, resolve_adasum_mode
 from .combine import AverageCombiner, GradCombiner
+from .compress import (
+    COMPRESSORS,
+    DDP_HOOKS,
+    Compressor,
+    CSERCombiner,
+    DDPHookCombiner,
+    ErrorFeedbackCombiner,
+    create_compressor,
+)
 from .dist import DistEnv
+from .localsgd import LocalAdaAlterCombiner, LocalSGDCombiner, SlowMoCombiner
 from .optim import create_optimizer, list_optimizers, optimizer_accepts
 from .schedules import SCHEDULE_MODES, LRSchedule, create_schedule
 
@@ -30,7 +40,35 @@ __all__ = [
     "build_schedule",
 ]
 
-GRAD_COMBINE_CHOICES = ("average", "adasum")
+GRAD_COMBINE_CHOICES = (
+    "average",
+    "adasum",
+    "ef",
+    "cser",
+    "powersgd",
+    "fp16",
+    "bf16",
+    "localsgd",
+    "slowmo",
+    "local-adaalter",
+)
+# Communication-efficient modes' flags: (dest, flag, the --grad-combine modes that take it).
+_COMM_FLAGS = (
+    ("compressor", "--compressor", ("ef", "cser")),
+    ("compress_ratio", "--compress-ratio", ("ef", "cser")),
+    ("qsgd_levels", "--qsgd-levels", ("ef", "cser")),
+    ("qsgd_bucket", "--qsgd-bucket", ("ef", "cser")),
+    ("cser_period", "--cser-period", ("cser",)),
+    ("cser_reset_compressor", "--cser-reset-compressor", ("cser",)),
+    ("powersgd_rank", "--powersgd-rank", ("powersgd",)),
+    ("powersgd_start_iter", "--powersgd-start-iter", ("powersgd",)),
+    ("local_steps", "--local-steps", ("localsgd", "slowmo", "local-adaalter")),
+    ("localsgd_warmup_steps", "--localsgd-warmup-steps", ("localsgd",)),
+    ("slowmo_period", "--slowmo-period", ("slowmo",)),
+    ("slowmo_momentum", "--slowmo-momentum", ("slowmo",)),
+    ("slowmo_lr", "--slowmo-lr", ("slowmo",)),
+    ("adaalter_eps", "--adaalter-eps", ("local-adaalter",)),
+)
 
 
 def _bounds(text: str) -> tuple[float | None, float | None]:
@@ -193,8 +231,11 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         type=str.lower,
         default="average",
         choices=GRAD_COMBINE_CHOICES,
-        help="how workers combine gradients: average (DistributedDataParallel) or adasum "
-        "(adaptive summation; keep the single-worker learning rate, see docs/adasum.md)",
+        help="how workers combine gradients: average (DistributedDataParallel), adasum "
+        "(adaptive summation; keep the single-worker learning rate, see docs/adasum.md), "
+        "ef (a --compressor with error feedback), cser (compression with error reset), "
+        "powersgd / fp16 / bf16 (PyTorch's DDP communication hooks), localsgd (post-local "
+        "SGD), slowmo, local-adaalter; see docs/communication.md",
     )
     g.add_argument(
         "--adasum-mode",
@@ -209,6 +250,61 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="adasum: average inside each node, Adasum across nodes (needs >= 2 nodes)",
     )
+    c = parser.add_argument_group("communication-efficient modes (docs/communication.md)")
+    c.add_argument(
+        "--compressor",
+        type=str.lower,
+        default=None,
+        choices=list(COMPRESSORS),
+        help="ef/cser: the compressor (default topk)",
+    )
+    c.add_argument(
+        "--compress-ratio",
+        type=float,
+        default=None,
+        help="topk/randblock: fraction of the entries sent (default 0.01)",
+    )
+    c.add_argument(
+        "--qsgd-levels",
+        type=int,
+        default=None,
+        help="qsgd: levels s (default: the most for which the sum of all workers fits int8)",
+    )
+    c.add_argument("--qsgd-bucket", type=int, default=None, help="qsgd: elements per norm (512)")
+    c.add_argument("--cser-period", type=int, default=None, help="cser: error-reset period H (8)")
+    c.add_argument(
+        "--cser-reset-compressor",
+        type=str.lower,
+        default=None,
+        choices=list(COMPRESSORS),
+        help="cser: compressor C2 of the error reset (default none: an exact reset)",
+    )
+    c.add_argument("--powersgd-rank", type=int, default=None, help="powersgd: rank (default 2)")
+    c.add_argument(
+        "--powersgd-start-iter",
+        type=int,
+        default=None,
+        help="powersgd: plain all-reduce before this step (default 10; >= 2)",
+    )
+    c.add_argument(
+        "--local-steps",
+        type=int,
+        default=None,
+        help="localsgd/local-adaalter: steps between model averagings (8); slowmo: base "
+        "local-SGD period (3)",
+    )
+    c.add_argument(
+        "--localsgd-warmup-steps",
+        type=int,
+        default=None,
+        help="localsgd: synchronous gradient averaging for the first N steps (post-local SGD; 0)",
+    )
+    c.add_argument(
+        "--slowmo-period", type=int, default=None, help="slowmo: steps between slow updates (48)"
+    )
+    c.add_argument("--slowmo-momentum", type=float, default=None, help="slowmo: b (0.5)")
+    c.add_argument("--slowmo-lr", type=float, default=None, help="slowmo: slow lr alpha (1.0)")
+    c.add_argument("--adaalter-eps", type=float, default=None, help="local-adaalter: epsilon (1.0)")
 
 
 def build_combiner(args: argparse.Namespace, env: DistEnv) -> GradCombiner:
@@ -226,12 +322,103 @@ def build_combiner(args: argparse.Namespace, env: DistEnv) -> GradCombiner:
                 f"{' and '.join(adasum_flags)} only apply with --grad-combine adasum "
                 "(this run averages gradients)"
             )
+        _check_comm_flags(args)
         return AverageCombiner()
     if args.grad_combine == "adasum":
+        _check_comm_flags(args)
         mode = resolve_adasum_mode(args.adasum_mode or "auto", getattr(args, "optimizer", None))
         combiner = AdasumDeltaCombiner if mode == "delta" else AdasumGradCombiner
         return combiner(hierarchical=args.adasum_hierarchical)
+    if args.grad_combine in GRAD_COMBINE_CHOICES:
+        if adasum_flags:
+            raise ValueError(
+                f"{' and '.join(adasum_flags)} only apply with --grad-combine adasum "
+                f"(this run uses --grad-combine {args.grad_combine})"
+            )
+        return _build_comm_combiner(args)
     raise ValueError(f"--grad-combine {args.grad_combine!r}: choose one of {GRAD_COMBINE_CHOICES}")
+
+
+def _check_comm_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The communication flags given (not None); an error for one the mode does not take."""
+    mode = args.grad_combine
+    given: dict[str, Any] = {}
+    for dest, flag, modes in _COMM_FLAGS:
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if mode not in modes:
+            raise ValueError(
+                f"{flag} only applies with --grad-combine {' / '.join(modes)}, not with "
+                f"--grad-combine {mode}; drop it or change the mode"
+            )
+        given[dest] = value
+    return given
+
+
+def _compressor(name: str, given: dict[str, Any], flag: str) -> Compressor:
+    for dest, option, takers in (
+        ("compress_ratio", "--compress-ratio", ("topk", "randblock")),
+        ("qsgd_levels", "--qsgd-levels", ("qsgd",)),
+        ("qsgd_bucket", "--qsgd-bucket", ("qsgd",)),
+    ):
+        if dest in given and name not in takers:
+            raise ValueError(
+                f"{option} only applies to {flag} {' / '.join(takers)}, not {name}; drop it"
+            )
+    return create_compressor(
+        name,
+        ratio=given.get("compress_ratio", 0.01),
+        levels=given.get("qsgd_levels"),
+        bucket_size=given.get("qsgd_bucket", 512),
+    )
+
+
+def _build_comm_combiner(args: argparse.Namespace) -> GradCombiner:
+    """The combiner of a communication-efficient ``--grad-combine`` mode."""
+    given = _check_comm_flags(args)
+    mode = args.grad_combine
+    seed = int(getattr(args, "seed", 0) or 0)
+    if mode in ("ef", "cser"):
+        compressor = _compressor(given.get("compressor", "topk"), given, "--compressor")
+        if mode == "ef":
+            return ErrorFeedbackCombiner(compressor, seed=seed)
+        reset = create_compressor(given.get("cser_reset_compressor", "none"))
+        return CSERCombiner(
+            compressor, period=given.get("cser_period", 8), reset_compressor=reset, seed=seed
+        )
+    if mode in DDP_HOOKS:
+        return DDPHookCombiner(
+            mode,
+            rank=given.get("powersgd_rank", 2),
+            start_iter=given.get("powersgd_start_iter", 10),
+            seed=seed,
+        )
+    if mode == "localsgd":
+        return LocalSGDCombiner(
+            period=given.get("local_steps", 8),
+            warmup_steps=given.get("localsgd_warmup_steps", 0),
+        )
+    if mode == "slowmo":
+        return SlowMoCombiner(
+            period=given.get("local_steps", 3),
+            slow_period=given.get("slowmo_period", 48),
+            slow_momentum=given.get("slowmo_momentum", 0.5),
+            slow_lr=given.get("slowmo_lr", 1.0),
+        )
+    if mode == "local-adaalter":
+        optimizer = getattr(args, "optimizer", "sgd")
+        if optimizer != "sgd" or getattr(args, "momentum", 0.0):
+            raise ValueError(
+                "--grad-combine local-adaalter applies AdaAlter's own update (AdaGrad with a "
+                "lagging denominator) with the optimizer's lr and weight decay; pass "
+                f"--optimizer sgd --momentum 0 (got --optimizer {optimizer} --momentum "
+                f"{getattr(args, 'momentum', None)})"
+            )
+        return LocalAdaAlterCombiner(
+            period=given.get("local_steps", 8), eps=given.get("adaalter_eps", 1.0)
+        )
+    raise ValueError(f"--grad-combine {mode!r}: choose one of {', '.join(GRAD_COMBINE_CHOICES)}")
 
 
 # ---- elastic training (trainers/elastic.py) -------------------------------------------------

@@ -559,11 +559,14 @@ class Trainer:
         """Run ``eval_step`` over ``dataset`` (each sample exactly once across ranks).
 
         Returns the all-reduced sums turned into means (the ``"count"`` rule). Training
-        randomness is untouched: the RNG state is restored afterwards.
+        randomness is untouched: the RNG state is restored afterwards. The combiner's
+        ``synchronize()`` runs first, so replicas that drifted apart (local SGD, CSER) are
+        made equal and the evaluated model is the same on every rank.
         """
         if self.eval_step is None:
             raise ValueError("evaluation needs an eval_step; pass eval_step= to the Trainer")
         env = self.env
+        self.combiner.synchronize()  # replicas that drifted apart (local SGD, CSER) agree
         sampler = ShardedSampler(
             len(dataset),  # type: ignore[arg-type]
             batch_size=self.config.eval_batch_size or self.config.batch_size,

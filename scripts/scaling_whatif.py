@@ -1,0 +1,279 @@
+"""What if the network were different? Predict the scaling factor of a run for N workers x B Gbps.
+
+Usage::
+
+    python scripts/scaling_whatif.py logs/<run>.jsonl [--workers 2,4,8,16,32,64]
+        [--bandwidths 10,25,100,400] [--target 0.9] [--plot whatif.png]
+    python scripts/scaling_whatif.py --model resnest50 --compute-time 0.20   # no log
+
+The model (Zhang et al., "Is Network the Bottleneck of Distributed Training?", NetAI 2020):
+each worker computes for ``T_c`` seconds per step, then sends ``S = G / r`` bytes (``G`` the
+dense fp32 gradient, ``r`` the compression ratio). A ring all-reduce over ``N`` workers at
+``B`` bytes/s with per-message latency ``a`` takes::
+
+    T_comm = 2 (N - 1) / N * S / B + 2 (N - 1) a          (all-gather: (N - 1) S / B + (N - 1) a)
+
+Part of it hides behind the backward pass: with overlap fraction ``o`` of the compute
+(DistributedDataParallel all-reduces buckets during the backward, which is about 2/3 of a
+step: ``o = 2/3``; the combiners that communicate after the backward have ``o = 0``)::
+
+    T_step = T_c + max(0, T_comm - o T_c)        scaling factor f = T_c / T_step
+
+``f = 1`` is linear scaling (N workers are N times as fast as one). For a target ``f*`` the
+exposed communication may be at most ``T_c (1 / f* - 1)``, so the compression ratio needed is::
+
+    r* = (2 (N - 1) / N * G / B) / (T_c (1 / f* - 1) + o T_c - 2 (N - 1) a)
+
+(``inf`` when even an empty message costs too much latency; ``1`` when none is needed).
+
+What it reads from the log: ``T_c`` = global batch / ``samples_per_sec`` (the median over the
+step records after the first; for a multi-process log this includes this machine's own
+loopback communication, so it slightly over-estimates compute); ``G`` from the step records'
+``grad_bytes`` (logs written since the communication modes exist) or from the model named in
+the header (the zoo model's parameter count x 4 bytes); ``r`` = the sum of ``grad_bytes`` over
+the sum of ``bytes_sent`` of the step records (1 without them); ``o`` from the header's ``--grad-combine``. Every one of them can be overridden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from trainers.logs import RunLogError, read_run_log  # noqa: E402
+
+DEFAULT_WORKERS = (2, 4, 8, 16, 32, 64)
+DEFAULT_BANDWIDTHS = (10.0, 25.0, 100.0, 400.0)  # Gbps
+DEFAULT_LATENCY_US = 10.0
+BACKWARD_SHARE = 2.0 / 3.0  # of a step's compute; DDP overlaps its all-reduces with it
+# How much of the compute the communication of each --grad-combine mode can hide behind.
+OVERLAP = {"average": BACKWARD_SHARE, "powersgd": BACKWARD_SHARE, "fp16": BACKWARD_SHARE}
+OVERLAP["bf16"] = BACKWARD_SHARE
+ALLGATHER_COMPRESSORS = frozenset({"topk", "sign"})
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step costs: compute seconds, dense gradient bytes, compression, overlap."""
+
+    compute_time: float  # T_c, seconds per step per worker
+    grad_bytes: float  # G
+    compression_ratio: float = 1.0  # r
+    overlap: float = 0.0  # o, fraction of T_c that communication can hide behind
+    allgather: bool = False  # compressed payloads all-gathered instead of all-reduced
+    source: str = ""
+
+
+def comm_time(w: Workload, workers: int, gbps: float, latency: float, ratio: float | None = None) -> float:  # fmt: skip
+    """Seconds one step's communication takes on a ring of ``workers`` at ``gbps``."""
+    if workers <= 1:
+        return 0.0
+    rate = gbps * 1e9 / 8  # bytes per second
+    sent = w.grad_bytes / (w.compression_ratio if ratio is None else ratio)
+    if w.allgather:
+        return (workers - 1) * sent / rate + (workers - 1) * latency
+    return 2 * (workers - 1) / workers * sent / rate + 2 * (workers - 1) * latency
+
+
+def scaling_factor(w: Workload, workers: int, gbps: float, latency: float) -> float:
+    """``T_c / T_step``: 1 is linear scaling."""
+    exposed = max(0.0, comm_time(w, workers, gbps, latency) - w.overlap * w.compute_time)
+    return w.compute_time / (w.compute_time + exposed)
+
+
+def needed_ratio(w: Workload, workers: int, gbps: float, latency: float, target: float) -> float:
+    """The compression ratio (relative to dense fp32) that reaches scaling factor ``target``."""
+    if not 0 < target <= 1:
+        raise ValueError(f"--target must be in (0, 1], got {target}")
+    if workers <= 1:
+        return 1.0
+    rate = gbps * 1e9 / 8
+    hops = (workers - 1) if w.allgather else 2 * (workers - 1)
+    per_byte = ((workers - 1) if w.allgather else 2 * (workers - 1) / workers) / rate
+    budget = w.compute_time * (1 / target - 1) + w.overlap * w.compute_time - hops * latency
+    if budget <= 0:
+        return math.inf
+    return max(1.0, per_byte * w.grad_bytes / budget)
+
+
+# ---- reading a log ------------------------------------------------------------------------------
+@functools.cache
+def _zoo_grad_bytes(name: str, num_classes: int | None) -> float:
+    import modelzoo  # only here: the formulas need no model zoo
+
+    kwargs = {} if num_classes is None else {"num_classes": num_classes}
+    model = modelzoo.get_model(name, **kwargs)
+    return 4.0 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _model_grad_bytes(name: str, config: dict[str, Any]) -> float:
+    """4 bytes per trainable parameter of the zoo model ``name`` (classes as the run had)."""
+    num_classes = None
+    if config.get("dataset") == "digits":
+        num_classes = 10
+    elif config.get("num_classes"):
+        num_classes = int(config["num_classes"])
+    return _zoo_grad_bytes(name, num_classes)
+
+
+def workload_from_log(path: str | Path) -> Workload:
+    """``T_c``, ``G``, ``r`` and the overlap of the run in ``path`` (see the module docstring)."""
+    try:
+        records = read_run_log(path)
+    except RunLogError as e:
+        raise SystemExit(f"scaling_whatif.py: {e}") from None
+    header = records[0]
+    config = header.get("config") or {}
+    world = int(header.get("world_size", 1))
+    steps = [r for r in records if r.get("kind") == "step" and r.get("samples_per_sec")]
+    if not steps:
+        raise SystemExit(f"scaling_whatif.py: {path} has no step record with samples_per_sec")
+    batch = config.get("batch_size")
+    if batch is None:
+        raise SystemExit(f"scaling_whatif.py: {path}'s header has no batch_size; pass --compute-time")  # fmt: skip
+    accumulate = int(config.get("accumulate") or 1)
+    global_batch = int(batch) * accumulate * world
+    speeds = [float(r["samples_per_sec"]) for r in (steps[1:] or steps)]
+    compute = statistics.median(global_batch / s for s in speeds)
+    grad = [float(r["grad_bytes"]) for r in steps if r.get("grad_bytes") is not None]
+    # Over the whole run: an interval that sent nothing (local SGD between two averagings)
+    # has an infinite ratio (null in the log).
+    sent = [float(r["bytes_sent"]) for r in steps if r.get("bytes_sent") is not None]
+    ratio = 1.0
+    if grad and sent:
+        ratio = sum(grad) / sum(sent) if sum(sent) > 0 else math.inf
+    if grad:
+        grad_bytes = grad[-1]
+    else:
+        name = config.get("model") or config.get("bert_model")
+        if not name:
+            raise SystemExit(f"scaling_whatif.py: {path} names no model; pass --grad-bytes")
+        grad_bytes = _model_grad_bytes(str(name), config)
+    mode = str(config.get("grad_combine", "average"))
+    compressor = config.get("compressor") or ("topk" if mode in ("ef", "cser") else None)
+    allgather = mode == "ef" and compressor in ALLGATHER_COMPRESSORS
+    return Workload(
+        compute_time=compute,
+        grad_bytes=grad_bytes,
+        compression_ratio=ratio,
+        overlap=OVERLAP.get(mode, 0.0),
+        allgather=allgather,
+        source=f"{Path(path).name} ({mode}, world size {world})",
+    )
+
+
+# ---- output -------------------------------------------------------------------------------------
+def tables(
+    w: Workload, workers: Sequence[int], bandwidths: Sequence[float], latency: float, target: float
+) -> str:
+    head = "workers " + "".join(f"{b:>10g}Gbps" for b in bandwidths)
+    lines = [
+        f"what-if for {w.source or 'the given workload'}: compute {w.compute_time * 1e3:.1f} ms/step, "
+        f"gradient {w.grad_bytes / 2**20:.1f} MiB, compression ratio {w.compression_ratio:.3g}, "
+        f"overlap {w.overlap:.2f}, latency {latency * 1e6:g} us"
+        f"{', all-gather' if w.allgather else ''}",
+        "",
+        "predicted scaling factor (1 = linear)",
+        head,
+    ]
+    for n in workers:
+        row = "".join(f"{scaling_factor(w, n, b, latency):>14.3f}" for b in bandwidths)
+        lines.append(f"{n:>7d} {row}")
+    lines += ["", f"compression ratio needed for scaling factor {target:g}", head]
+    for n in workers:
+        row = "".join(f"{needed_ratio(w, n, b, latency, target):>14.3g}" for b in bandwidths)
+        lines.append(f"{n:>7d} {row}")
+    return "\n".join(lines)
+
+
+def plot(w: Workload, workers: Sequence[int], bandwidths: Sequence[float], latency: float, output: str) -> None:  # fmt: skip
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for b in bandwidths:
+        ax.plot(workers, [scaling_factor(w, n, b, latency) for n in workers], marker="o", label=f"{b:g} Gbps")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("workers")
+    ax.set_ylabel("scaling factor")
+    ax.set_title(w.source or "what-if", fontsize="small")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+
+
+def _numbers(text: str, kind: type) -> list[Any]:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("log", nargs="?", help="a run log (JSON Lines)")
+    p.add_argument("--workers", type=lambda t: _numbers(t, int), default=list(DEFAULT_WORKERS))
+    p.add_argument("--bandwidths", type=lambda t: _numbers(t, float), default=list(DEFAULT_BANDWIDTHS), help="Gbps")  # fmt: skip
+    p.add_argument("--latency-us", type=float, default=DEFAULT_LATENCY_US, help="per message hop")
+    p.add_argument("--target", type=float, default=0.9, help="scaling factor to reach")
+    p.add_argument("--compute-time", type=float, default=None, help="T_c seconds per step")
+    p.add_argument("--grad-bytes", type=float, default=None, help="G, dense gradient bytes")
+    p.add_argument("--model", default=None, help="G from this zoo model's parameter count")
+    p.add_argument("--compression-ratio", type=float, default=None)
+    p.add_argument("--overlap", type=float, default=None, help="fraction of T_c hidden (0..1)")
+    p.add_argument("--plot", default=None, help="also draw the scaling factors into this PNG")
+    args = p.parse_args(argv)
+
+    if args.log is None and (args.compute_time is None or (args.grad_bytes is None and args.model is None)):  # fmt: skip
+        p.error("without a log, give --compute-time and --grad-bytes (or --model)")
+    if args.overlap is not None and not 0 <= args.overlap <= 1:
+        p.error(f"--overlap must be in [0, 1], got {args.overlap}")
+    if not 0 < args.target <= 1:
+        p.error(f"--target must be in (0, 1], got {args.target}")
+    if args.log is not None:
+        w = workload_from_log(args.log)
+    else:
+        w = Workload(compute_time=args.compute_time, grad_bytes=0.0, source="")
+    changes: dict[str, Any] = {}
+    if args.compute_time is not None:
+        changes["compute_time"] = args.compute_time
+    if args.model is not None:
+        changes["grad_bytes"] = _model_grad_bytes(args.model, {})
+        changes["source"] = f"{args.model}" + (f" ({w.source})" if w.source else "")
+    if args.grad_bytes is not None:
+        changes["grad_bytes"] = args.grad_bytes
+    if args.compression_ratio is not None:
+        changes["compression_ratio"] = args.compression_ratio
+    if args.overlap is not None:
+        changes["overlap"] = args.overlap
+    w = Workload(**{**w.__dict__, **changes})
+    latency = args.latency_us * 1e-6
+    print(tables(w, args.workers, args.bandwidths, latency, args.target))
+    if args.plot:
+        plot(w, args.workers, args.bandwidths, latency, args.plot)
+        print(f"\nwrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
