@@ -1,0 +1,585 @@
+"""Pretrain BERT (masked LM + next-sentence prediction) at large batch with LAMB or LANS.
+
+Two phases, as in the BERT, LAMB and LANS recipes: phase 1 on short sequences (128 tokens),
+phase 2 on long ones (512) starting from phase 1's model, each with its own batch size,
+gradient accumulation, learning rate and warmup-constant-poly schedule. Both run in one
+invocation; ``--phases 2 --phase1_model DIR`` runs phase 2 alone. It runs on the shared
+Trainer: one process or many under ``torchrun`` (``--grad-combine adasum``, elastic with
+``--elastic-dir``), ``--dtype bfloat16|float16``, periodic checkpoints (``--checkpoint_steps``,
+``--resume``). Every phase ends with a Hugging Face directory ``<output_dir>/phase<N>/model``
+(``config.json``, ``model.safetensors``, ``vocab.txt``) that ``finetune_squad.py
+--pretrained_bert_parameters`` fine-tunes.
+
+With no data flags it builds (once, cached under ``$MODELZOO_HOME/pretraining``) shards of
+the running Python's standard-library docstrings with MiniLM's uncased vocabulary and
+pretrains a small BERT (2 layers, width 128) from scratch; the published runs
+(``logs/bert_pretrain_*.jsonl``, commands in ``docs/pretraining.md``) use 64 and 128 tokens:
+
+    python scripts/pretrain_bert.py --optimizer lans --lr 0.05 --phase1_max_seq_length 64 \
+        --phase1_max_predictions 10 --phase2_max_seq_length 128 --phase2_max_predictions 20 \
+        --phase1_steps 48 --phase1_accumulate 8 --phase2_steps 8 --phase2_accumulate 4 \
+        --phase2_batch_size 16 --dupe_factor 2
+
+BERT-Large with the LANS recipe (phase batches 96K and 33K through accumulation; shards from
+``scripts/prepare_bert_data.py``), on 8 nodes x 8 GPUs:
+
+    torchrun --nnodes 8 --nproc-per-node 8 ... scripts/pretrain_bert.py \\
+        --bert_model bert_24_1024_16 --optimizer lans --lr 0.005 --phase2_lr 0.005 \\
+        --phase1_data data/p1 --phase2_data data/p2 --phase1_steps 3519 --phase2_steps 782 \\
+        --phase1_batch_size 64 --phase1_accumulate 24 --phase2_batch_size 8 \\
+        --phase2_accumulate 66 --dtype float16 --output_dir runs/large
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import modelzoo
+from modelzoo.nlp.bert import BertConfig, bert_from_checkpoint, build_bert
+from modelzoo.nlp.pretraining import (
+    InstanceConfig,
+    PretrainingCollate,
+    PretrainingShards,
+    ShardError,
+    prepare_pretraining_data,
+    save_pretrained,
+    write_stdlib_corpus,
+)
+from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
+from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
+from trainers.cli import (
+    add_distributed_args,
+    add_elastic_args,
+    add_optimizer_args,
+    build_combiner,
+    build_elastic,
+    build_optimizer,
+    elastic_resuming,
+)
+from trainers.schedules import create_schedule
+
+DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+PHASE_FLAGS = ("max_seq_length", "max_predictions", "steps", "batch_size", "accumulate", "lr",
+               "warmup_ratio")  # fmt: skip
+# phase -> defaults of the flags above (the LANS recipe's shape, CPU-sized steps).
+PHASE_DEFAULTS = {
+    1: dict(max_seq_length=128, max_predictions=20, steps=300, batch_size=16, accumulate=1,
+            lr=None, warmup_ratio=0.05),
+    2: dict(max_seq_length=512, max_predictions=80, steps=60, batch_size=4, accumulate=1,
+            lr=None, warmup_ratio=0.05),
+}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Pretrain BERT (masked LM + next sentence) in two phases.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = p.add_argument_group("data (none given: built-in shards of the stdlib docstrings)")
+    for phase in (1, 2):
+        d.add_argument(f"--phase{phase}_data", type=str, default=None, help="training shards")
+        d.add_argument(f"--phase{phase}_eval_data", type=str, default=None, help="held-out shards")
+    d.add_argument(
+        "--cache_dir",
+        type=str,
+        default=None,
+        help="where the built-in shards are made (default $MODELZOO_HOME/pretraining)",
+    )
+    d.add_argument("--dupe_factor", type=int, default=5, help="built-in data: masking passes")
+    d.add_argument("--data_seed", type=int, default=12345, help="built-in data: instance seed")
+
+    m = p.add_argument_group("model (default: a small BERT; --bert_model for a zoo size)")
+    m.add_argument("--bert_model", type=str, default=None, help="e.g. bert_12_768_12")
+    m.add_argument("--num_layers", type=int, default=2)
+    m.add_argument("--hidden_size", type=int, default=128)
+    m.add_argument("--num_heads", type=int, default=2)
+    m.add_argument("--intermediate_size", type=int, default=512)
+    m.add_argument("--max_position_embeddings", type=int, default=512)
+    m.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
+    m.add_argument(
+        "--phase1_model",
+        type=str,
+        default=None,
+        help="phase 2 alone (--phases 2): start from this phase-1 directory",
+    )
+    m.add_argument("--vocab_file", type=str, default=None, help="default: the shards' vocab.txt")
+
+    add_optimizer_args(p, default="lans")
+    p.set_defaults(wd=0.01, no_wd=True, epsilon=1e-6)
+    add_distributed_args(p)
+    add_elastic_args(p)
+
+    t = p.add_argument_group("phases (per-phase flags: --phase1_X / --phase2_X)")
+    t.add_argument("--phases", type=str, default="1,2", help="phases to run: 1,2 or 1 or 2")
+    for phase, defaults in PHASE_DEFAULTS.items():
+        for flag in PHASE_FLAGS:
+            kind = float if flag in ("lr", "warmup_ratio") else int
+            help_ = "default: --lr" if flag == "lr" else None
+            t.add_argument(f"--phase{phase}_{flag}", type=kind, default=defaults[flag], help=help_)
+    t.add_argument("--const_ratio", type=float, default=0.25, help="constant-lr fraction")
+    t.add_argument("--decay_power", type=float, default=1.0, help="polynomial decay degree")
+    t.add_argument("--clip_grad_norm", type=float, default=0.0, help="trainer clipping (0: off)")
+    t.add_argument("--dtype", type=str, default="float32", choices=sorted(DTYPES))
+    t.add_argument("--max-steps", type=int, default=None, help="stop after N steps (all phases)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--num_workers", type=int, default=0, help="DataLoader workers per rank")
+    t.add_argument("--eval_batch_size", type=int, default=64)
+    t.add_argument("--eval_interval", type=int, default=0, help="evaluate every N steps (0: end)")
+    t.add_argument("--checkpoint_steps", type=int, default=0, help="save latest.pt every N steps")
+    t.add_argument("--resume", action="store_true", help="continue from <output_dir>'s state")
+
+    g = p.add_argument_group("logging and output")
+    g.add_argument("--output_dir", type=str, default="./runs/pretrain")
+    g.add_argument("--log_interval", type=int, default=10, help="optimizer steps per log line")
+    g.add_argument("--run-log", type=str, default=None, help="JSON Lines run log")
+    g.add_argument("--logging-file", type=str, default=None, help="also write console lines here")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+
+    try:
+        args.phase_list = sorted({int(x) for x in args.phases.split(",") if x.strip()})
+    except ValueError:
+        p.error(f"--phases must be 1, 2 or 1,2, got {args.phases!r}")
+    if not args.phase_list or not set(args.phase_list) <= {1, 2}:
+        p.error(f"--phases must be 1, 2 or 1,2, got {args.phases!r}")
+    if args.lr is None:
+        args.lr = {"lans": 5e-3, "lamb": 5e-3}.get(args.optimizer, 1e-4)
+    for phase in (1, 2):
+        if getattr(args, f"phase{phase}_lr") is None:
+            setattr(args, f"phase{phase}_lr", args.lr)
+        for flag in ("steps", "batch_size", "accumulate", "max_seq_length", "max_predictions"):
+            if getattr(args, f"phase{phase}_{flag}") < 1:
+                p.error(f"--phase{phase}_{flag} must be >= 1")
+        if not 0 <= getattr(args, f"phase{phase}_warmup_ratio") + args.const_ratio <= 1:
+            p.error(f"--phase{phase}_warmup_ratio + --const_ratio must be in [0, 1]")
+    args.builtin = all(getattr(args, f"phase{n}_data") is None for n in args.phase_list)
+    for phase in args.phase_list if args.builtin else ():
+        if getattr(args, f"phase{phase}_max_seq_length") > args.max_position_embeddings:
+            p.error(
+                f"--phase{phase}_max_seq_length exceeds --max_position_embeddings "
+                f"{args.max_position_embeddings}"
+            )
+    if args.phase_list == [2] and args.phase1_model is None and not args.resume:
+        p.error("--phases 2 needs --phase1_model DIR (a phase-1 <output_dir>/phase1/model)")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+
+
+def _cache_root(args: argparse.Namespace) -> Path:
+    if args.cache_dir:
+        return Path(args.cache_dir)
+    home = os.environ.get("MODELZOO_HOME") or os.path.join("~", ".cache", "modelzoo")
+    return Path(home).expanduser() / "pretraining"
+
+
+def builtin_data(
+    args: argparse.Namespace, tokenizer: BertTokenizer, env: DistEnv
+) -> dict[int, tuple[Path, Path]]:
+    """Train/dev shard directories of the stdlib-docstring corpus for each phase, made once
+    (under a file lock, so concurrent ranks build them once) and reused."""
+    from filelock import FileLock
+
+    key = {
+        "python": sys.version.split()[0],
+        "vocab": hashlib.sha256("\n".join(tokenizer.convert_ids_to_tokens(range(len(tokenizer)))).encode()).hexdigest(),
+        "dupe_factor": args.dupe_factor,
+        "seed": args.data_seed,
+        "phases": {n: (getattr(args, f"phase{n}_max_seq_length"), getattr(args, f"phase{n}_max_predictions")) for n in (1, 2)},
+    }  # fmt: skip
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    root = _cache_root(args) / f"stdlib-{digest}"
+    root.parent.mkdir(parents=True, exist_ok=True)
+    out: dict[int, tuple[Path, Path]] = {}
+    with FileLock(str(root) + ".lock"):
+        corpus = {s: root / "corpus" / f"{s}.txt" for s in ("train", "dev")}
+        for split, path in corpus.items():
+            if not path.is_file():
+                stats = write_stdlib_corpus(path, split)
+                if env.is_main:
+                    print(f"wrote {path}: {stats}", flush=True)
+        for n in (1, 2):
+            dirs = []
+            for split in ("train", "dev"):
+                directory = root / f"phase{n}-{split}"
+                if not (directory / "index.json").is_file():
+                    config = InstanceConfig(
+                        max_seq_length=getattr(args, f"phase{n}_max_seq_length"),
+                        max_predictions_per_seq=getattr(args, f"phase{n}_max_predictions"),
+                        dupe_factor=args.dupe_factor if split == "train" else 1,
+                        seed=args.data_seed + (0 if split == "train" else 1),
+                    )
+                    prepare_pretraining_data(
+                        [corpus[split]], directory, tokenizer, config, overwrite=True,
+                        progress=env.is_main and not args.no_progress,
+                    )  # fmt: skip
+                dirs.append(directory)
+            out[n] = (dirs[0], dirs[1])
+    return out
+
+
+def load_tokenizer(args: argparse.Namespace) -> BertTokenizer:
+    if args.vocab_file:
+        return BertTokenizer.from_file(args.vocab_file)
+    for n in args.phase_list:
+        data = getattr(args, f"phase{n}_data")
+        if data and (Path(data) / "vocab.txt").is_file():
+            return BertTokenizer.from_dir(data)
+    if args.phase1_model and (Path(args.phase1_model) / "vocab.txt").is_file():
+        return BertTokenizer.from_dir(args.phase1_model)
+    if not args.builtin:
+        raise SystemExit(
+            "pretrain_bert.py: error: no vocab.txt beside the shards; pass --vocab_file"
+        )
+    return get_tokenizer("minilm_l6_h384", progress=not args.no_progress)
+
+
+def _vocab_sha(tokenizer: BertTokenizer) -> str:
+    tokens = tokenizer.convert_ids_to_tokens(range(len(tokenizer)))
+    return hashlib.sha256("\n".join(tokens).encode("utf-8")).hexdigest()
+
+
+def load_phase_data(
+    args: argparse.Namespace, tokenizer: BertTokenizer, env: DistEnv
+) -> dict[int, tuple[PretrainingShards, PretrainingShards | None]]:
+    dirs: dict[int, tuple[Any, Any]] = {}
+    if args.builtin:
+        dirs = builtin_data(args, tokenizer, env)
+    else:
+        for n in args.phase_list:
+            train = getattr(args, f"phase{n}_data")
+            if train is None:
+                raise SystemExit(f"pretrain_bert.py: error: --phase{n}_data is missing")
+            dirs[n] = (train, getattr(args, f"phase{n}_eval_data"))
+    sha = _vocab_sha(tokenizer)
+    out = {}
+    for n in args.phase_list:
+        train_dir, eval_dir = dirs[n]
+        try:
+            train = PretrainingShards(train_dir, vocab_sha256=sha)
+            dev = PretrainingShards(eval_dir, vocab_sha256=sha) if eval_dir else None
+        except ShardError as exc:
+            raise SystemExit(f"pretrain_bert.py: error: {exc}") from None
+        if train.max_seq_length > args.max_position_embeddings:
+            raise SystemExit(
+                f"pretrain_bert.py: error: {train_dir} has {train.max_seq_length}-token "
+                f"instances, more than --max_position_embeddings {args.max_position_embeddings}"
+            )
+        out[n] = (train, dev)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The task and its log
+# ---------------------------------------------------------------------------------------------
+
+# Sums that train_step/eval_step return -> the ratios the log shows.
+RATIOS = {
+    "mlm_loss": ("mlm_loss_sum", "mlm_count"),
+    "mlm_accuracy": ("mlm_correct", "mlm_count"),
+    "nsp_loss": ("nsp_loss_sum", "nsp_count"),
+    "nsp_accuracy": ("nsp_correct", "nsp_count"),
+}
+
+
+def ratios(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The trainer reports every sum divided by the same number of micro-batches, so the
+    ratio of two of them is the exact ratio of the totals."""
+    raw = {k for pair in RATIOS.values() for k in pair}
+    out = {k: v for k, v in metrics.items() if k not in raw}
+    for name, (num, den) in RATIOS.items():
+        if num in metrics and den in metrics:
+            out[name] = metrics[num] / metrics[den] if metrics[den] else math.nan
+    return out
+
+
+def pretraining_sums(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    out = model(
+        batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
+        batch["masked_positions"],
+    )  # fmt: skip
+    logits = out.mlm_logits.float()  # (B, P, vocab)
+    labels = batch["masked_labels"]  # (B, P), -100 where no mask
+    valid = labels != -100
+    mlm_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    nsp_logits = out.nsp_logits.float()  # (B, 2)
+    nsp_labels = batch["next_sentence_labels"]
+    return {
+        "mlm_loss_sum": mlm_loss,
+        "mlm_correct": ((logits.argmax(-1) == labels) & valid).sum(),
+        "mlm_count": valid.sum(),
+        "nsp_loss_sum": F.cross_entropy(nsp_logits, nsp_labels, reduction="sum"),
+        "nsp_correct": (nsp_logits.argmax(-1) == nsp_labels).sum(),
+        "nsp_count": torch.tensor(nsp_labels.shape[0]),
+    }
+
+
+def train_step(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict]:
+    sums = pretraining_sums(model, batch)
+    loss = sums["mlm_loss_sum"] / sums["mlm_count"].clamp(min=1)
+    loss = loss + sums["nsp_loss_sum"] / sums["nsp_count"]
+    return loss, {k: v.detach() for k, v in sums.items()}
+
+
+@torch.no_grad()
+def eval_step(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return pretraining_sums(model, batch)
+
+
+class PretrainLogger(RunLogger):
+    """The run log with the phase in every record, steps counted across phases, and the
+    masked-LM / next-sentence loss and accuracy as ratios."""
+
+    phase: int = 1
+    offset: int = 0  # optimizer steps of the phases before this one
+    trainer: Trainer | None = None
+    phase_results: dict[int, dict[str, Any]]
+
+    def step(self, *, step: int, **fields: Any) -> None:  # type: ignore[override]
+        metrics = ratios(fields)
+        super().step(step=step + self.offset, phase=self.phase, **metrics)
+
+    def epoch(self, **fields: Any) -> None:  # type: ignore[override]
+        step = self.offset + (self.trainer.global_step if self.trainer is not None else 0)
+        super().epoch(**ratios(fields), phase=self.phase, step=step)
+
+    def eval(self, *, epoch: int, step: int, **metrics: Any) -> None:  # type: ignore[override]
+        super().eval(epoch=epoch, step=step + self.offset, phase=self.phase, **ratios(metrics))
+
+    def checkpoint(self, *, epoch: int, step: int, path: Any) -> None:  # type: ignore[override]
+        super().checkpoint(epoch=epoch, step=step + self.offset, path=path)
+
+    def end(self, *, total_time: float, steps: int, epochs: int, **metrics: Any) -> None:  # type: ignore[override]
+        """A phase's end (the trainer's): printed; the run's ``end`` record is :meth:`finish`."""
+        if not hasattr(self, "phase_results"):
+            self.phase_results = {}
+        self.phase_results[self.phase] = {"time": total_time, "steps": steps, **ratios(metrics)}
+        self.info(f"[Phase {self.phase}] {steps} steps in {total_time:.2f} sec.")
+
+    def finish(self, *, total_time: float, steps: int, **metrics: Any) -> None:
+        super().end(total_time=total_time, steps=steps, epochs=0, **ratios(metrics))
+
+
+class EvalTracker:
+    """Hook: the global step of the latest evaluation."""
+
+    step = -1
+
+    def on_eval_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        self.step = trainer.global_step
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+
+
+def new_model(args: argparse.Namespace, tokenizer: BertTokenizer) -> torch.nn.Module:
+    torch.manual_seed(args.seed)  # the same initial weights on every rank and every rerun
+    drop = dict(hidden_dropout=args.dropout, attention_dropout=args.dropout)
+    if args.bert_model:
+        entry = modelzoo.registry.get_model_entry(args.bert_model)
+        model = entry.builder(head="pretraining", vocab_size=len(tokenizer), **drop)
+    else:
+        config = BertConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            num_heads=args.num_heads,
+            intermediate_size=args.intermediate_size,
+            max_position_embeddings=args.max_position_embeddings,
+            **drop,
+        )
+        model = build_bert(config, head="pretraining")
+    return model
+
+
+def phase_model(
+    args: argparse.Namespace, phase: int, tokenizer: BertTokenizer, previous: Path | None
+) -> torch.nn.Module:
+    """Phase 1: a fresh model; phase 2: phase 1's saved model."""
+    if phase == 1:
+        return new_model(args, tokenizer)
+    source = previous or (Path(args.phase1_model) if args.phase1_model else None)
+    if source is None or not (source / "config.json").is_file():
+        raise SystemExit(
+            f"pretrain_bert.py: error: phase 2 starts from phase 1's model, but {source} has no "
+            "config.json; run phase 1 first or pass --phase1_model DIR"
+        )
+    model = bert_from_checkpoint(source, head="pretraining")
+    if model.config.vocab_size != len(tokenizer):
+        raise SystemExit(
+            f"pretrain_bert.py: error: {source} has a {model.config.vocab_size}-token vocabulary, "
+            f"the data {len(tokenizer)}"
+        )
+    return model
+
+
+def _schedule(args: argparse.Namespace, phase: int, steps: int):
+    return create_schedule(
+        "warmup_const_poly",
+        base_lr=getattr(args, f"phase{phase}_lr"),
+        total_steps=steps,
+        warmup_steps=round(steps * getattr(args, f"phase{phase}_warmup_ratio")),
+        constant_steps=round(steps * args.const_ratio),
+        power=args.decay_power,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def run_phase(
+    args: argparse.Namespace,
+    phase: int,
+    limit: int,
+    model: torch.nn.Module,
+    data: tuple[PretrainingShards, PretrainingShards | None],
+    env: DistEnv,
+    logger: PretrainLogger,
+    resuming: bool,
+) -> Trainer:
+    train, dev = data
+    steps = getattr(args, f"phase{phase}_steps")
+    batch = getattr(args, f"phase{phase}_batch_size")
+    accumulate = getattr(args, f"phase{phase}_accumulate")
+    global_batch = batch * accumulate * env.world_size
+    if len(train) < global_batch:
+        raise SystemExit(
+            f"pretrain_bert.py: error: phase {phase}: {len(train)} instances are fewer than one "
+            f"global batch of {global_batch} (batch x accumulate x workers)"
+        )
+    phase_args = copy.copy(args)
+    phase_args.lr = getattr(args, f"phase{phase}_lr")
+    optimizer = build_optimizer(phase_args, model)
+    save_dir = Path(args.output_dir) / f"phase{phase}"
+    config = TrainerConfig(
+        epochs=math.ceil(steps / (len(train) // global_batch)),
+        max_steps=limit,
+        batch_size=batch,
+        eval_batch_size=args.eval_batch_size,
+        grad_accum_steps=accumulate,
+        precision=DTYPES[args.dtype],
+        clip_grad_norm=args.clip_grad_norm if args.clip_grad_norm > 0 else None,
+        log_interval=args.log_interval,
+        eval_interval=0,
+        eval_interval_steps=args.eval_interval,
+        save_dir=str(save_dir),
+        save_frequency=0,
+        save_interval_steps=args.checkpoint_steps,
+        num_workers=args.num_workers,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    tracker = EvalTracker()
+    trainer = Trainer(
+        model, optimizer, config, env=env, logger=logger, lr_schedule=_schedule(args, phase, steps),
+        train_step=train_step, eval_step=eval_step if dev is not None else None,
+        combiner=build_combiner(phase_args, env), hooks=[tracker],
+    )  # fmt: skip
+    logger.trainer = trainer
+    if args.elastic_dir:
+        phase_args.elastic_dir = str(Path(args.elastic_dir) / f"phase{phase}")
+    build_elastic(phase_args, trainer)
+    latest = save_dir / "latest.pt"
+    if resuming and args.elastic_dir is None and latest.is_file():
+        trainer.resume(latest)
+        logger.info(f"[Phase {phase}] resumed from {latest} at step {trainer.global_step}")
+    collate = PretrainingCollate(train.pad_id)
+    if dev is not None and phase == args.phase_list[0] and trainer.global_step == 0:
+        metrics = trainer.evaluate(dev, collate)  # the starting point of the curves
+        tracker.step = 0
+        logger.eval(epoch=0, step=0, **metrics)
+    trainer.fit(train, eval_dataset=dev, collate_fn=collate)
+    if dev is not None and tracker.step != trainer.global_step:
+        metrics = trainer.evaluate(dev, collate)
+        trainer.last_eval = dict(metrics)
+        logger.eval(epoch=trainer.epoch, step=trainer.global_step, **metrics)
+    return trainer
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = DistEnv.from_env()
+    command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    output_dir = Path(args.output_dir)
+    elastic_args = copy.copy(args)
+    if args.elastic_dir:
+        elastic_args.elastic_dir = str(Path(args.elastic_dir) / f"phase{args.phase_list[0]}")
+    resuming = args.resume or elastic_resuming(elastic_args, args.run_log, is_main=env.is_main)
+    appending = resuming and args.run_log is not None and Path(args.run_log).is_file()
+    logger = PretrainLogger(
+        args.run_log, enabled=env.is_main, logging_file=args.logging_file,
+        mode="a" if appending else "w",
+    )  # fmt: skip
+    logger.info(f"Namespace({', '.join(f'{k}={v!r}' for k, v in sorted(vars(args).items()))})")
+    if not appending:
+        logger.write(make_header(command, args.seed, env.world_size, args))
+
+    tokenizer = load_tokenizer(args)
+    data = load_phase_data(args, tokenizer, env)
+    for n, (train, dev) in data.items():
+        logger.info(
+            f"[Phase {n}] {len(train)} training instances of {train.max_seq_length} tokens "
+            f"({train.directory}); {len(dev) if dev is not None else 0} held out"
+        )
+
+    start = time.perf_counter()
+    done = 0  # optimizer steps of the phases before the current one
+    previous: Path | None = None
+    final: dict[str, Any] = {}
+    for phase in args.phase_list:
+        steps = getattr(args, f"phase{phase}_steps")
+        model_dir = output_dir / f"phase{phase}" / "model"
+        if resuming and (model_dir / "config.json").is_file():
+            logger.info(f"[Phase {phase}] already finished: {model_dir}")
+            done, previous = done + steps, model_dir
+            continue
+        limit = steps if args.max_steps is None else min(steps, args.max_steps - done)
+        if limit <= 0:
+            break
+        model = phase_model(args, phase, tokenizer, previous)
+        logger.phase, logger.offset = phase, done
+        trainer = run_phase(args, phase, limit, model, data[phase], env, logger, resuming)
+        final = dict(trainer.last_eval)
+        if trainer.global_step >= steps:
+            if env.is_main:
+                save_pretrained(trainer.model, tokenizer, model_dir)
+                logger.info(f"[Phase {phase}] saved {model_dir}")
+            env.barrier()
+            previous = model_dir
+        done += trainer.global_step
+        if trainer.global_step < steps:
+            break  # --max-steps ended the run inside this phase
+    logger.finish(total_time=time.perf_counter() - start, steps=done, **final)
+    if env.is_main and final:
+        shown = ratios(final)
+        logger.info(
+            f"Held-out masked-LM accuracy {shown.get('mlm_accuracy', math.nan):.4f}, "
+            f"next-sentence accuracy {shown.get('nsp_accuracy', math.nan):.4f} "
+            f"({time.perf_counter() - start:.1f} s)"
+        )
+    logger.close()
+    env.destroy()
+    return 0 if all(math.isfinite(v) for v in final.values() if isinstance(v, float)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""BERT pretraining data: masking statistics, next-sentence pairs, shards, HF export.
+
+Oracles: the published rates (15 % of the tokens; 80/10/10) with binomial tolerances,
+explicit construction rules (special tokens never masked, whole words masked together, random
+next never from the same document, actual next is the text that follows), the instances
+given to the shard writer, and ``transformers.BertForPreTraining`` for the exported model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from modelzoo.nlp.pretraining import (
+    InstanceConfig,
+    PretrainingCollate,
+    PretrainingShards,
+    ShardError,
+    TrainingInstance,
+    VocabInfo,
+    create_instances,
+    mask_tokens,
+    prepare_pretraining_data,
+    read_documents,
+    write_shards,
+)
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+N_WORDS = 3000
+# Words w0..; every third id after them a "##" piece.
+TOKENS = SPECIALS + [f"w{i}" for i in range(N_WORDS)] + [f"##p{i}" for i in range(N_WORDS)]
+VOCAB = VocabInfo.from_tokens(TOKENS)
+WORD0 = len(SPECIALS)
+PIECE0 = WORD0 + N_WORDS
+
+
+def _sigma_bound(p: float, n: int, sigmas: float = 5.0) -> float:
+    return sigmas * math.sqrt(p * (1 - p) / n)
+
+
+def _sequence(rng: random.Random, length: int, pieces: bool = False) -> list[int]:
+    body = []
+    for _ in range(length):
+        if pieces and body and rng.random() < 0.4:
+            body.append(PIECE0 + rng.randrange(N_WORDS))
+        else:
+            body.append(WORD0 + rng.randrange(N_WORDS))
+    cut = rng.randint(1, length - 1)
+    return [VOCAB.cls_id, *body[:cut], VOCAB.sep_id, *body[cut:], VOCAB.sep_id]
+
+
+def test_masking_rates_and_rules():
+    rng = random.Random(0)
+    counts = {"mask": 0, "kept": 0, "random": 0}
+    total_masked = total_tokens = 0
+    for _ in range(3000):
+        tokens = _sequence(rng, rng.randint(10, 120))
+        out, positions, labels = mask_tokens(tokens, VOCAB, rng, max_predictions=20)
+        # the count rule of Google's create_masked_lm_predictions
+        assert len(positions) == min(20, max(1, round(len(tokens) * 0.15)))
+        assert positions == sorted(set(positions))
+        assert all(tokens[p] not in (VOCAB.cls_id, VOCAB.sep_id) for p in positions)
+        assert labels == [tokens[p] for p in positions]
+        untouched = set(range(len(tokens))) - set(positions)
+        assert all(out[i] == tokens[i] for i in untouched)
+        for p in positions:
+            if out[p] == VOCAB.mask_id:
+                counts["mask"] += 1
+            elif out[p] == tokens[p]:
+                counts["kept"] += 1
+            else:
+                counts["random"] += 1
+        total_masked += len(positions)
+        total_tokens += len(tokens) - 3
+    n = total_masked
+    # A random replacement equal to the original counts as kept: probability 0.1 / V.
+    expected = {"mask": 0.8, "kept": 0.1 + 0.1 / VOCAB.size, "random": 0.1 * (1 - 1 / VOCAB.size)}
+    for kind, p in expected.items():
+        assert abs(counts[kind] / n - p) <= _sigma_bound(p, n), (kind, counts[kind] / n)
+    # 15 % of all tokens (specials included in the count, as Google's rule does), capped at 20
+    assert 0.13 <= total_masked / (total_tokens + 3 * 3000) <= 0.16
+
+
+def test_random_replacements_are_uniform_over_the_vocabulary():
+    rng = random.Random(1)
+    draws = []
+    for _ in range(4000):
+        tokens = _sequence(rng, 60)
+        out, positions, _ = mask_tokens(tokens, VOCAB, rng)
+        draws += [out[p] for p in positions if out[p] not in (VOCAB.mask_id, tokens[p])]
+    draws = np.array(draws)
+    # the share drawn from the lower half of the ids is one half
+    p = (VOCAB.size // 2) / VOCAB.size
+    assert abs((draws < VOCAB.size // 2).mean() - p) <= _sigma_bound(p, len(draws))
+
+
+def test_whole_word_masking_masks_whole_words_only():
+    rng = random.Random(2)
+    partial_words = 0
+    for _ in range(1000):
+        tokens = _sequence(rng, 80, pieces=True)
+        out, positions, _ = mask_tokens(tokens, VOCAB, rng, whole_word=True, max_predictions=20)
+        chosen = set(positions)
+        assert len(positions) <= min(20, max(1, round(len(tokens) * 0.15)))
+        words, i = [], 0
+        while i < len(tokens):  # a word: a non-piece token and the pieces right after it
+            j = i + 1
+            special = tokens[i] in (VOCAB.cls_id, VOCAB.sep_id)
+            while not special and j < len(tokens) and VOCAB.continuation[tokens[j]]:
+                j += 1
+            words.append(range(i, j))
+            i = j
+        for word in words:
+            hit = [p in chosen for p in word]
+            partial_words += any(hit) and not all(hit)
+        assert all(tokens[p] not in (VOCAB.cls_id, VOCAB.sep_id) for p in positions)
+    assert partial_words == 0
+
+
+# ---- next-sentence pairs ---------------------------------------------------------------------
+STRIDE = 400  # document d, sentence s, token j: id WORD0 + d * STRIDE + s * 20 + j
+
+
+def _documents(num_docs: int, rng: random.Random) -> list[list[list[int]]]:
+    docs = []
+    for d in range(num_docs):
+        sentences = rng.randint(1, 12)
+        docs.append(
+            [
+                [WORD0 + d * STRIDE + s * 20 + j for j in range(rng.randint(1, 15))]
+                for s in range(sentences)
+            ]
+        )
+    return docs
+
+
+def _unmasked(inst: TrainingInstance) -> list[int]:
+    tokens = list(inst.input_ids)
+    for p, t in zip(inst.masked_positions, inst.masked_ids, strict=True):
+        tokens[p] = t
+    return tokens
+
+
+def _doc(token: int) -> int:
+    return (token - WORD0) // STRIDE
+
+
+def test_next_sentence_pairs_follow_the_construction_rules():
+    vocab = VocabInfo.from_tokens(SPECIALS + [f"t{i}" for i in range(7 * STRIDE)])
+    rng = random.Random(3)
+    docs = _documents(6, rng)  # ids of doc 5 stay < 6 * STRIDE + WORD0
+    config = InstanceConfig(max_seq_length=512, short_seq_prob=0.3, window_docs=4, seed=0)
+    window = config.window_docs
+    instances = []
+    for _ in range(150):  # passes: many pairs from the same documents
+        instances += list(create_instances(docs, vocab, config, rng))
+    flat = {d: [t for s in doc for t in s] for d, doc in enumerate(docs)}
+    random_next = 0
+    for inst in instances:
+        tokens = _unmasked(inst)
+        assert tokens[0] == vocab.cls_id and tokens[-1] == vocab.sep_id
+        assert tokens[inst.len_a + 1] == vocab.sep_id
+        a, b = tokens[1 : inst.len_a + 1], tokens[inst.len_a + 2 : -1]
+        assert a and b
+        assert len({_doc(t) for t in a}) == 1 and len({_doc(t) for t in b}) == 1
+        doc_a, doc_b = _doc(a[0]), _doc(b[0])
+        if inst.is_random_next:
+            random_next += 1
+            assert doc_b != doc_a  # never from the same document
+            assert abs(doc_b - doc_a) < window  # from the bounded window
+        else:  # the actual continuation: A then B is a contiguous run of the document
+            assert doc_b == doc_a
+            text, run = flat[doc_a], a + b
+            start = text.index(run[0])
+            assert text[start : start + len(run)] == run
+    n = len(instances)
+    assert n > 1000
+    assert abs(random_next / n - 0.5) <= _sigma_bound(0.5, n)
+
+
+def test_pairs_are_trimmed_to_the_sequence_length():
+    rng = random.Random(4)
+    config = InstanceConfig(max_seq_length=24, max_predictions_per_seq=4, seed=0)
+    for inst in create_instances(_documents(8, rng), VOCAB, config, rng):
+        assert len(inst.input_ids) <= 24
+        assert len(inst.masked_positions) <= 4
+
+
+def test_one_document_is_an_error():
+    with pytest.raises(ValueError, match="at least 2"):
+        list(create_instances([[[10, 11, 12]]], VOCAB, InstanceConfig(), random.Random(0)))
+
+
+def test_documents_stream_from_text(tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_text("One.\nTwo.\n\n\nThree.\n\nFour.\nFive.\n")
+    assert list(read_documents([path])) == [["One.", "Two."], ["Three."], ["Four.", "Five."]]
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"ok\n\xff\xfe\n")
+    with pytest.raises(ValueError, match=r"bad\.txt:2: not UTF-8"):
+        list(read_documents([bad]))
+
+
+# ---- shards -------------------------------------------------------------------------------------
+def _instances(n: int = 50, seed: int = 5) -> list[TrainingInstance]:
+    rng = random.Random(seed)
+    config = InstanceConfig(max_seq_length=32, max_predictions_per_seq=5, seed=seed)
+    out = []
+    while len(out) < n:
+        out += list(create_instances(_documents(6, rng), VOCAB, config, rng))
+    return out[:n]
+
+
+def test_shards_round_trip(tmp_path):
+    instances = _instances()
+    config = InstanceConfig(max_seq_length=32, max_predictions_per_seq=5)
+    index = write_shards(
+        instances, tmp_path / "d", vocab=VOCAB, config=config, instances_per_shard=16
+    )
+    assert [s["instances"] for s in index["shards"]] == [16, 16, 16, 2]
+    data = PretrainingShards(tmp_path / "d", vocab_sha256=VOCAB.sha256)
+    assert len(data) == len(instances)
+    for i, inst in enumerate(instances):
+        assert data.instance(i) == inst
+    batch = PretrainingCollate(VOCAB.pad_id)([data[i] for i in range(7)])
+    width = max(len(inst.input_ids) for inst in instances[:7])
+    assert batch["input_ids"].shape == (7, width)
+    for row, inst in enumerate(instances[:7]):
+        n = len(inst.input_ids)
+        assert batch["input_ids"][row, :n].tolist() == inst.input_ids
+        assert batch["token_type_ids"][row, :n].tolist() == inst.token_type_ids
+        assert not batch["token_type_ids"][row, n:].any()
+        k = len(inst.masked_positions)
+        assert batch["masked_positions"][row, :k].tolist() == inst.masked_positions
+        assert batch["masked_labels"][row, :k].tolist() == inst.masked_ids
+        assert (batch["masked_labels"][row, k:] == -100).all()
+        assert batch["next_sentence_labels"][row] == int(inst.is_random_next)
+        if batch["attention_mask"] is not None:
+            assert batch["attention_mask"][row].sum() == n
+
+
+def test_bad_shards_name_the_file(tmp_path):
+    config = InstanceConfig(max_seq_length=32, max_predictions_per_seq=5)
+    write_shards(_instances(), tmp_path / "d", vocab=VOCAB, config=config, instances_per_shard=20)
+    with pytest.raises(ShardError, match="another vocabulary"):
+        PretrainingShards(tmp_path / "d", vocab_sha256="0" * 64)
+    shard = tmp_path / "d" / "shard-00001.npy"
+    shard.write_bytes(shard.read_bytes()[:-7])
+    with pytest.raises(ShardError, match=r"shard-00001\.npy.*truncated"):
+        PretrainingShards(tmp_path / "d")
+    index_path = tmp_path / "d" / "index.json"
+    index = json.loads(index_path.read_text())
+    index["format"] = 99
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ShardError, match="format 99"):
+        PretrainingShards(tmp_path / "d")
+    with pytest.raises(ShardError, match="no shard index"):
+        PretrainingShards(tmp_path / "missing")
+
+
+def test_a_failed_write_leaves_nothing(tmp_path):
+    def broken():
+        yield from _instances(30)
+        raise RuntimeError("disk full")
+
+    config = InstanceConfig(max_seq_length=32, max_predictions_per_seq=5)
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_shards(broken(), tmp_path / "d", vocab=VOCAB, config=config, instances_per_shard=8)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x").write_text("keep")
+    with pytest.raises(FileExistsError, match="not empty"):
+        write_shards(_instances(5), tmp_path / "d", vocab=VOCAB, config=config)
+
+
+def test_prepare_from_text_is_deterministic(tmp_path):
+    from modelzoo.nlp.tokenizer import BertTokenizer
+
+    words = ["the", "cat", "sat", "on", "mat", "dog", "ran", "far", "a", "."]
+    tokenizer = BertTokenizer({t: i for i, t in enumerate(SPECIALS + words + ["##s"])})
+    rng = random.Random(6)
+    lines = []
+    for _ in range(40):
+        lines += [" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) for _ in range(5)]
+        lines.append("")
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(lines))
+    config = InstanceConfig(max_seq_length=24, max_predictions_per_seq=4, dupe_factor=2, seed=1)
+    for name in ("a", "b"):
+        prepare_pretraining_data([corpus], tmp_path / name, tokenizer, config, progress=False)
+    a, b = PretrainingShards(tmp_path / "a"), PretrainingShards(tmp_path / "b")
+    assert len(a) == len(b) > 100
+    assert all(a.instance(i) == b.instance(i) for i in range(len(a)))
+    # every unmasked B segment's words are words of the corpus
+    known = {tokenizer.vocab[w] for w in words}
+    for i in range(len(a)):
+        tokens = _unmasked(a.instance(i))
+        assert set(tokens) - {tokenizer.cls_id, tokenizer.sep_id} <= known
+
+
+# ---- export ------------------------------------------------------------------------------------
+def test_saved_model_is_a_hugging_face_bert(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from modelzoo.nlp.bert import BertConfig, bert_from_checkpoint, build_bert
+    from modelzoo.nlp.pretraining import save_pretrained
+    from modelzoo.nlp.tokenizer import BertTokenizer
+
+    tokenizer = BertTokenizer({t: i for i, t in enumerate(SPECIALS + ["a", "b", "c"])})
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=16, num_layers=2, num_heads=2,
+        intermediate_size=32, max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ours = build_bert(config, head="pretraining").eval()
+    with torch.no_grad():  # non-trivial values everywhere (biases start at 0)
+        for p in ours.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    directory = save_pretrained(ours, tokenizer, tmp_path / "m")
+    assert {p.name for p in directory.iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "vocab.txt",
+    }
+    hf = transformers.BertForPreTraining.from_pretrained(directory).eval()
+    ids = torch.randint(0, len(tokenizer), (3, 9))
+    types = (torch.arange(9) >= 4).long().expand(3, -1)
+    with torch.no_grad():
+        mine = ours(ids, types)
+        theirs = hf(input_ids=ids, token_type_ids=types)
+    torch.testing.assert_close(mine.mlm_logits, theirs.prediction_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        mine.nsp_logits, theirs.seq_relationship_logits, rtol=1e-4, atol=1e-4
+    )
+    again = bert_from_checkpoint(directory, head="pretraining")
+    for name, tensor in ours.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[name], tensor, rtol=0, atol=0)
