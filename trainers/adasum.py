@@ -82,6 +82,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .combine import GradCombiner
+from .combine import broadcast_ as _broadcast_
 from .dist import DistEnv
 
 __all__ = [
@@ -819,18 +820,3 @@ def _check_hierarchy(env: DistEnv) -> int:
             f"torchrun assigns them); got (rank, local_rank) {bad[:4]}"
         )
     return local
-
-
-def _broadcast_(tensors: Sequence[Tensor], src: int = 0) -> None:
-    """Rank ``src``'s values of ``tensors`` on every rank; one message per dtype and device."""
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    with torch.no_grad():
-        for group in groups.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            dist.broadcast(flat, src=src)
-            offset = 0
-            for t in group:
-                t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()

@@ -9,66 +9,21 @@ hand; and the decoded vectors of every rank for QSGD's all-reduce.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.trainers._launch import run_ranks
 from tests.trainers._trainer_toys import ToyDataset, make_mlp, plain_loop
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.dist
 N, GLOBAL_BATCH, STEPS, SEED = 48, 8, 12, 5  # as in _comm_worker.py
 ATOL = 1e-5  # reduction order across two processes (as test_trainer_dist.py)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("comm")
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "tests.trainers._comm_worker", str(out)],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=300)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    for rank, (p, text) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{text}"
+    run_ranks("tests.trainers._comm_worker", [str(out)], timeout=300)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
