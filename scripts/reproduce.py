@@ -221,6 +221,16 @@ def build_command(
     return [python, script, *args]
 
 
+def rerun_env(header: Record, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The rerun's environment: this repository importable, and the original's CPU thread
+    count (``header["threads"]``, when the log has it), so reductions sum in the same order."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    if header.get("threads"):
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(int(header["threads"]))
+    return env
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Rerun a run log's command and compare the new log with it.",
@@ -257,9 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"reproduce.py: error: {args.log}: {e}", file=sys.stderr)
             return 2
         print("rerunning:", " ".join(command), flush=True)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-        result = subprocess.run(command, cwd=REPO_ROOT, env=env, check=False)
+        result = subprocess.run(command, cwd=REPO_ROOT, env=rerun_env(header), check=False)
         if result.returncode != 0:
             print(
                 f"reproduce.py: the rerun failed with exit status {result.returncode}",

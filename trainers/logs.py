@@ -157,6 +157,9 @@ def make_header(
         "command": _relative_command(command),
         "seed": int(seed),
         "world_size": int(world_size),
+        # CPU reductions (matmul, scatter-add) sum in a thread-count-dependent order, so a
+        # rerun uses the same count (scripts/reproduce.py).
+        "threads": torch.get_num_threads(),
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -198,3 +199,20 @@ def test_main_rejects_log_without_header(tmp_path, capsys, content):
     log.write_text(content)
     assert reproduce.main([str(log)]) == 2
     assert "header" in capsys.readouterr().err
+
+
+def test_rerun_uses_the_original_thread_count():
+    # CPU reductions sum in a thread-count-dependent order; the header records the count.
+    env = reproduce.rerun_env({"threads": 1}, base={"OMP_NUM_THREADS": "8", "PATH": "/bin"})
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "1"
+    assert env["PATH"] == "/bin" and str(reproduce.REPO_ROOT) in env["PYTHONPATH"].split(os.pathsep)
+    # an older log without the field leaves the caller's setting alone
+    assert reproduce.rerun_env({}, base={"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "8"
+
+
+def test_header_records_the_thread_count():
+    import torch
+
+    from trainers.logs import make_header
+
+    assert make_header(["scripts/x.py"], 0, 1)["threads"] == torch.get_num_threads()
