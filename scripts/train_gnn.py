@@ -51,17 +51,6 @@ from trainers.cli import (
     build_optimizer,
     build_schedule,
 )
-from trainers.optim import list_optimizers, register_optimizer
-
-if "adam" not in list_optimizers():
-    # DGL's recipes use Adam with L2 weight decay (coupled), which adamw is not.
-    @register_optimizer("adam")
-    def _adam(
-        params: Any, *, lr: float, betas: tuple[float, float], eps: float = 1e-8,
-        weight_decay: float, **kwargs: Any,
-    ) -> torch.optim.Optimizer:  # fmt: skip
-        return torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-
 
 NODE_DATASETS = ("karate", "sbm", "cora", "citeseer", "pubmed", "npz")
 GRAPH_DATASETS = ("sbm_graphs",)

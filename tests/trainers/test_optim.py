@@ -124,6 +124,16 @@ def test_nag_step_matches_mxnet_nag_formula():
     torch.testing.assert_close(model.bias.detach(), b - lr * (gb + m * gb))
 
 
+def test_adam_adds_l2_to_the_gradient():
+    # Adam's first step moves by lr * m^ / (sqrt(v^) + eps) with m^ = d, v^ = d^2, where
+    # d = g + wd * w (coupled L2, DGL's GNN recipes); AdamW would decay w outside of d.
+    lr, wd, eps = 0.01, 0.5, 1e-8
+    model, (w, gw), (b, gb) = _one_step("adam", lr, wd, momentum=0.0)
+    d = gw + wd * w
+    torch.testing.assert_close(model.weight.detach(), w - lr * d / (d.abs() + eps))
+    torch.testing.assert_close(model.bias.detach(), b - lr * gb / (gb.abs() + eps))
+
+
 def test_adamw_gets_betas_eps_and_extra_kwargs():
     opt = create_optimizer(
         "adamw", Net(), lr=1e-3, weight_decay=0.05, betas=(0.8, 0.99), eps=1e-6, amsgrad=True

@@ -137,17 +137,20 @@ def create_optimizer(
     """Build the optimizer registered as ``name`` over the trainable parameters of ``model``.
 
     Args:
-        name: ``sgd``, ``nag`` (SGD with Nesterov momentum, GluonCV's default), ``adamw``, or
-            any name added with :func:`register_optimizer` (case-insensitive).
+        name: ``sgd``, ``nag`` (SGD with Nesterov momentum, GluonCV's default), ``adam``
+            (L2 weight decay added to the gradient, as DGL's GNN recipes use), ``adamw``,
+            ``lamb``, ``lans``, or any name added with :func:`register_optimizer`
+            (case-insensitive).
         model: the module whose parameters to optimize (a DDP wrapper works too: names are
             only used to spot biases).
         lr: learning rate (a schedule overwrites it each step via ``apply_lr``).
-        weight_decay: decoupled for ``adamw``, L2 added to the gradient for ``sgd``/``nag``.
+        weight_decay: decoupled for ``adamw``, L2 added to the gradient for
+            ``sgd``/``nag``/``adam``.
         momentum: momentum of ``sgd``/``nag``.
         no_wd: no weight decay on biases and normalization parameters (GluonCV ``--no-wd``).
         betas: Adam-family betas.
         eps: Adam-family epsilon; ``None`` keeps the optimizer's own default (1e-8 for
-            ``adamw``, 1e-6 for ``lamb``/``lans``).
+            ``adam``/``adamw``, 1e-6 for ``lamb``/``lans``).
         **kwargs: passed to the optimizer as they are.
 
     Raises:
@@ -199,6 +202,21 @@ def _nag(
 ) -> torch.optim.Optimizer:
     return torch.optim.SGD(
         params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=True, **kwargs
+    )
+
+
+@register_optimizer("adam")
+def _adam(
+    params: Any,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float = 1e-8,
+    weight_decay: float,
+    **kwargs: Any,
+) -> torch.optim.Optimizer:
+    return torch.optim.Adam(
+        params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs
     )
 
 
