@@ -26,12 +26,24 @@ exposed communication may be at most ``T_c (1 / f* - 1)``, so the compression ra
 
 (``inf`` when even an empty message costs too much latency; ``1`` when none is needed).
 
-What it reads from the log: ``T_c`` = global batch / ``samples_per_sec`` (the median over the
-step records after the first; for a multi-process log this includes this machine's own
-loopback communication, so it slightly over-estimates compute); ``G`` from the step records'
-``grad_bytes`` (logs written since the communication modes exist) or from the model named in
-the header (the zoo model's parameter count x 4 bytes); ``r`` = the sum of ``grad_bytes`` over
-the sum of ``bytes_sent`` of the step records (1 without them); ``o`` from the header's ``--grad-combine``. Every one of them can be overridden.
+What it reads from the log: ``T_c`` = global batch / ``samples_per_sec``, the median over the
+step records after the first (for a multi-process log this includes this machine's own
+loopback communication, so it slightly over-estimates compute). The global batch of a step
+record is ``batch_size x accumulate x`` world size (the header's, or the latest ``membership``
+record's after an elastic restart); ``scripts/train_gnn.py``'s full-graph steps are one
+sample (the graph). A two-phase pretraining log (``scripts/pretrain_bert.py``: per-phase
+``phase1_batch_size``, ``phase1_accumulate``, ``phase2_...``, no ``batch_size``) gives every
+step record the batch of the phase it ran in (its ``phase`` field; else its step number
+against ``phase1_steps``), so ``T_c`` is the median step of both phases, which is phase 1's
+when, as in the BERT, LAMB and LANS recipes, phase 1 has most of the steps; for one phase
+alone pass that phase's ``--compute-time``. ``G`` from the step records' ``grad_bytes`` (logs
+written since the communication modes exist) or from the model the header describes
+(parameter count x 4 bytes): the zoo model it names, with the head the script trains
+(``pretrain_bert.py``: masked LM + next sentence, over the run's vocabulary;
+``finetune_squad.py``: span prediction), or the BERT that the pretraining flags
+(``num_layers``, ``hidden_size``, ...) build. ``r`` = the sum of ``grad_bytes`` over the sum
+of ``bytes_sent`` of the step records (1 without them); ``o`` from the header's
+``--grad-combine``. Every one of them can be overridden.
 """
 
 from __future__ import annotations
@@ -107,23 +119,120 @@ def needed_ratio(w: Workload, workers: int, gbps: float, latency: float, target:
 
 
 # ---- reading a log ------------------------------------------------------------------------------
+# The head each training script puts on a BERT (its gradient is what a step all-reduces).
+SCRIPT_HEADS = {"pretrain_bert.py": "pretraining", "finetune_squad.py": "qa"}
+# scripts/train_gnn.py's GRAPH_DATASETS: graph classification, mini-batches of --batch-size graphs.
+GNN_GRAPH_DATASETS = frozenset({"sbm_graphs"})
+
+
 @functools.cache
-def _zoo_grad_bytes(name: str, num_classes: int | None) -> float:
+def _zoo_grad_bytes(name: str, num_classes: int | None, head: str | None, vocab_size: int | None) -> float:  # fmt: skip
     import modelzoo  # only here: the formulas need no model zoo
 
-    kwargs = {} if num_classes is None else {"num_classes": num_classes}
+    kwargs: dict[str, Any] = {} if num_classes is None else {"num_classes": num_classes}
+    if head is not None:
+        kwargs["head"] = head
+    if vocab_size is not None:
+        kwargs["vocab_size"] = vocab_size
     model = modelzoo.get_model(name, **kwargs)
     return 4.0 * sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def _model_grad_bytes(name: str, config: dict[str, Any]) -> float:
-    """4 bytes per trainable parameter of the zoo model ``name`` (classes as the run had)."""
+def _pretraining_vocab_size(config: dict[str, Any]) -> int:
+    """The vocabulary ``pretrain_bert.py`` ran with (its ``load_tokenizer``, in the same order)."""
+    from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
+
+    if config.get("vocab_file"):
+        return len(BertTokenizer.from_file(config["vocab_file"]))
+    for n in (1, 2):
+        data = config.get(f"phase{n}_data")
+        if data and (Path(data) / "vocab.txt").is_file():
+            return len(BertTokenizer.from_dir(data))
+    if config.get("phase1_model") and (Path(config["phase1_model"]) / "vocab.txt").is_file():
+        return len(BertTokenizer.from_dir(config["phase1_model"]))
+    if any(config.get(f"phase{n}_data") for n in (1, 2)):
+        raise FileNotFoundError("the run's vocab.txt is not on this machine")
+    return len(get_tokenizer("minilm_l6_h384", progress=False))  # the built-in corpus's
+
+
+def _model_grad_bytes(name: str | None, config: dict[str, Any], script: str = "") -> float:
+    """4 bytes per trainable parameter of the model a run trained: the zoo model ``name``
+    (classes and head as the run had), or the BERT that ``pretrain_bert.py``'s flags build.
+
+    Raises:
+        LookupError: The log does not say which model (or its vocabulary is not here).
+    """
+    head = SCRIPT_HEADS.get(script)
+    vocab_size = None
+    if script == "pretrain_bert.py":
+        try:
+            vocab_size = _pretraining_vocab_size(config)
+        except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: store's download errors
+            raise LookupError(f"no vocabulary for its model ({e}); pass --grad-bytes") from None
+        if not name:
+            from modelzoo.nlp.bert import BertConfig, build_bert
+
+            bert = BertConfig(
+                vocab_size=vocab_size,
+                hidden_size=int(config["hidden_size"]),
+                num_layers=int(config["num_layers"]),
+                num_heads=int(config["num_heads"]),
+                intermediate_size=int(config["intermediate_size"]),
+                max_position_embeddings=int(config["max_position_embeddings"]),
+            )
+            model = build_bert(bert, head=head)
+            return 4.0 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if not name:
+        raise LookupError("names no model; pass --grad-bytes")
     num_classes = None
     if config.get("dataset") == "digits":
         num_classes = 10
     elif config.get("num_classes"):
         num_classes = int(config["num_classes"])
-    return _zoo_grad_bytes(name, num_classes)
+    return _zoo_grad_bytes(name, num_classes, head, vocab_size)
+
+
+def _phase(record: dict[str, Any], config: dict[str, Any]) -> int:
+    """The pretraining phase a step record ran in."""
+    if record.get("phase") is not None:
+        return int(record["phase"])
+    phases = str(config.get("phases") or "1,2").replace(" ", "")
+    if phases == "2":  # phase 2 alone counts its steps from 0
+        return 2
+    return 1 if int(record["step"]) <= int(config["phase1_steps"]) else 2
+
+
+def _per_step_batch(record: dict[str, Any], config: dict[str, Any], script: str) -> int:
+    """Samples one rank consumes per optimizer step."""
+    if "phase1_batch_size" in config:
+        n = _phase(record, config)
+        return int(config[f"phase{n}_batch_size"]) * int(config.get(f"phase{n}_accumulate") or 1)
+    if script == "train_gnn.py" and not config.get("fanout_list") and config.get("dataset") not in GNN_GRAPH_DATASETS:  # fmt: skip
+        return 1  # full-graph node classification: each step is the whole graph
+    if config.get("batch_size") is None:
+        raise LookupError("has no batch_size in its header; pass --compute-time")
+    return int(config["batch_size"]) * int(config.get("accumulate") or 1)
+
+
+def step_times(records: Sequence[dict[str, Any]]) -> list[float]:
+    """Seconds per optimizer step of every step record with a speed: global batch / speed.
+
+    Raises:
+        LookupError: The header does not say the batch size.
+    """
+    header = records[0]
+    config = header.get("config") or {}
+    script = Path(str((header.get("command") or [""])[0])).name
+    world = int(header.get("world_size", 1))
+    times = []
+    for r in records[1:]:
+        if r.get("kind") == "membership" and r.get("new_world_size"):
+            world = int(r["new_world_size"])  # an elastic restart with a new membership
+        if r.get("kind") != "step" or not r.get("samples_per_sec"):
+            continue
+        batch = _per_step_batch(r, config, script)
+        times.append(batch * world / float(r["samples_per_sec"]))
+    return times
 
 
 def workload_from_log(path: str | Path) -> Workload:
@@ -134,17 +243,16 @@ def workload_from_log(path: str | Path) -> Workload:
         raise SystemExit(f"scaling_whatif.py: {e}") from None
     header = records[0]
     config = header.get("config") or {}
+    script = Path(str((header.get("command") or [""])[0])).name
     world = int(header.get("world_size", 1))
     steps = [r for r in records if r.get("kind") == "step" and r.get("samples_per_sec")]
     if not steps:
         raise SystemExit(f"scaling_whatif.py: {path} has no step record with samples_per_sec")
-    batch = config.get("batch_size")
-    if batch is None:
-        raise SystemExit(f"scaling_whatif.py: {path}'s header has no batch_size; pass --compute-time")  # fmt: skip
-    accumulate = int(config.get("accumulate") or 1)
-    global_batch = int(batch) * accumulate * world
-    speeds = [float(r["samples_per_sec"]) for r in (steps[1:] or steps)]
-    compute = statistics.median(global_batch / s for s in speeds)
+    try:
+        times = step_times(records)
+    except LookupError as e:
+        raise SystemExit(f"scaling_whatif.py: {path} {e.args[0]}") from None
+    compute = statistics.median(times[1:] or times)
     grad = [float(r["grad_bytes"]) for r in steps if r.get("grad_bytes") is not None]
     # Over the whole run: an interval that sent nothing (local SGD between two averagings)
     # has an infinite ratio (null in the log).
@@ -156,9 +264,10 @@ def workload_from_log(path: str | Path) -> Workload:
         grad_bytes = grad[-1]
     else:
         name = config.get("model") or config.get("bert_model")
-        if not name:
-            raise SystemExit(f"scaling_whatif.py: {path} names no model; pass --grad-bytes")
-        grad_bytes = _model_grad_bytes(str(name), config)
+        try:
+            grad_bytes = _model_grad_bytes(str(name) if name else None, config, script)
+        except LookupError as e:
+            raise SystemExit(f"scaling_whatif.py: {path} {e.args[0]}") from None
     mode = str(config.get("grad_combine", "average"))
     compressor = config.get("compressor") or ("topk" if mode in ("ef", "cser") else None)
     allgather = mode == "ef" and compressor in ALLGATHER_COMPRESSORS

@@ -1,5 +1,6 @@
 """The generated docs stay in step with the registry."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,3 +24,31 @@ def test_readme_starts_with_the_two_commands():
     assert "pytest" in blocks[1]
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert blocks[1] in ci, ".ci/run must run the README's test command verbatim"
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+\s+(.+)$", path.read_text(encoding="utf-8"), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_relative_links_in_the_docs_resolve():
+    broken = []
+    for page in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]:
+        text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", link):  # https:, mailto:
+                continue
+            name, _, anchor = link.partition("#")
+            target = page.parent / name if name else page
+            if not target.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {link}")
+            elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+                broken.append(f"{page.relative_to(ROOT)}: {link} (no such heading)")
+    assert not broken, broken
+
+
+def test_benchmarks_doc_names_every_benchmark():
+    text = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        assert f"python benchmarks/{script.name}" in text, f"docs/benchmarks.md: no {script.name}"

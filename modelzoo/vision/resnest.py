@@ -284,7 +284,7 @@ _PAPER = "https://arxiv.org/abs/2004.08955"
 _GLUON_RECIPE = (
     "GluonCV ResNeSt recipe (paper, Table 4 setting): 64 GPUs x 128 images, lr 0.05 per 128 x 64 "
     "(linear scaling), cosine, 5 warm-up epochs, 270 epochs, wd 1e-4 with --no-wd, --last-gamma, "
-    "label smoothing 0.1, mixup 0.2, AutoAugment, DropBlock 0.1 ramped"
+    "label smoothing 0.1, mixup 0.2, AutoAugment (not implemented here), DropBlock 0.1 ramped"
 )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import modelzoo
@@ -120,14 +121,51 @@ def test_dropblock_statistics():
     # so slightly less); the rescaling keeps the mean activation at 1.
     assert 0.15 < dropped < 0.22
     assert y.mean().item() == pytest.approx(1.0, abs=1e-4)
-    zero_rows = (y[0, 0] == 0).nonzero()
-    assert len(zero_rows) > 0
-    # dropped positions come in 3x3 blocks: every dropped pixel has a dropped 3x3 block around
-    # some seed containing it, so no isolated dropped pixel exists
     mask = (y == 0).float()
-    grown = torch.nn.functional.max_pool2d(1 - mask, 3, 1, 1)
-    assert torch.all((1 - mask) <= grown)
+    assert mask[0, 0].sum() > 0
+    # Dropped positions come in whole 3x3 blocks inside the map.
+    assert _covered_by_full_blocks(mask, 3)
     assert block.eval()(x).equal(x)
+
+
+def _covered_by_full_blocks(mask: torch.Tensor, k: int) -> bool:
+    """Whether every 1 of ``mask`` (B, C, H, W) lies in a k x k window inside the map that is
+    all 1s: a min-pool marks the full windows (by their top-left corner), a max-pool over the
+    windows containing each pixel spreads them back."""
+    full = -F.max_pool2d(-mask, k, stride=1)  # (B, C, H - k + 1, W - k + 1)
+    covered = F.max_pool2d(F.pad(full, (k - 1,) * 4), k, stride=1)  # (B, C, H, W)
+    return bool(torch.all(covered >= mask))
+
+
+def test_full_block_check_rejects_other_shapes():
+    def mask_with(*pixels: tuple[int, int]) -> torch.Tensor:
+        m = torch.zeros(1, 1, 8, 8)
+        for i, j in pixels:
+            m[0, 0, i, j] = 1.0
+        return m
+
+    block = [(i, j) for i in range(2, 5) for j in range(3, 6)]
+    corner = [(i, j) for i in range(5, 8) for j in range(5, 8)]
+    assert _covered_by_full_blocks(mask_with(), 3)
+    assert _covered_by_full_blocks(mask_with(*block), 3)
+    assert _covered_by_full_blocks(mask_with(*block, *corner), 3)
+    assert not _covered_by_full_blocks(mask_with((4, 4)), 3)  # an isolated dropped pixel
+    assert not _covered_by_full_blocks(mask_with(*block, (0, 0)), 3)  # a block and a stray one
+    assert not _covered_by_full_blocks(mask_with(*block, (5, 4)), 3)  # a block with a bump
+    assert not _covered_by_full_blocks(mask_with(*block[:-1]), 3)  # a block missing one
+    assert not _covered_by_full_blocks(mask_with((0, 0), (0, 1), (1, 0), (1, 1)), 3)  # 2x2
+
+
+def test_recipes_name_autoaugment_only_as_not_implemented():
+    # The paper's recipe used AutoAugment; our transforms have none, so a recipe that names it
+    # must say so.
+    names = modelzoo.list_models("resnest*", pretrained=True)
+    assert names
+    for name in names:
+        for tag, weights in modelzoo.registry.get_model_entry(name).weights.items():
+            text = str((weights.recipe or {}).get("description", ""))
+            mentions = text.count("AutoAugment")
+            assert mentions == text.count("AutoAugment (not implemented here)"), (name, tag, text)
 
 
 def test_bad_options_have_clear_errors():

