@@ -62,6 +62,7 @@ DIGITS_DEFAULTS = dict(
     jitter=0.0,
     lighting=0.0,
     min_random_area=0.6,
+    hflip=0.0,
     log_interval=10,
     last_gamma=True,
     no_wd=True,
@@ -79,6 +80,7 @@ IMAGENET_DEFAULTS = dict(
     jitter=0.4,
     lighting=0.1,
     min_random_area=0.08,
+    hflip=0.5,
     log_interval=50,
     last_gamma=False,
     no_wd=False,
@@ -110,6 +112,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--lighting", type=float, default=None, help="PCA lighting std (GluonCV: 0.1)")
     d.add_argument(
         "--min-random-area", type=float, default=None, help="random-resized-crop lower area"
+    )
+    d.add_argument(
+        "--hflip",
+        type=float,
+        default=None,
+        help="horizontal-flip probability (ImageNet 0.5; digits 0: a mirrored digit is no digit)",
     )
     d.add_argument(
         "--skip-bad-images",
@@ -214,7 +222,7 @@ def build_datasets(args: argparse.Namespace) -> tuple[Any, Any, int]:
     std = _floats(args.rgb_std, "--rgb-std")
     train_tf = train_transforms(
         args.input_size, mean=mean, std=std, jitter=args.jitter, lighting=args.lighting,
-        scale=(args.min_random_area, 1.0),
+        scale=(args.min_random_area, 1.0), hflip=args.hflip,
     )  # fmt: skip
     eval_tf = eval_transforms(args.input_size, crop_ratio=args.crop_ratio, mean=mean, std=std)
     if args.dataset == "recordio":

@@ -16,16 +16,49 @@ import contextlib
 import os
 import pickle
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "atomic_write",
+    "atomic_write_text",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint file is missing, truncated or not loadable."""
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]) -> Path:
+    """Create or replace ``path`` atomically: ``write(f)`` fills a temporary file in the same
+    directory, which is flushed, fsynced and ``os.replace``-d over ``path``. On any exception
+    the temporary file is removed and ``path`` keeps its previous content."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """:func:`atomic_write` of a UTF-8 text."""
+    return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path:
@@ -39,21 +72,7 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
     Returns:
         The destination path.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-    _fsync_dir(path.parent)
-    return path
+    return atomic_write(path, lambda f: torch.save(state, f))
 
 
 def load_checkpoint(

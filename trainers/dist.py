@@ -77,8 +77,13 @@ class DistEnv:
             device: ``"cpu"`` or ``"cuda"`` to force one; default CUDA when available.
 
         If a default process group already exists (the caller made one), it is used as is
-        and :meth:`destroy` leaves it alone.
+        and :meth:`destroy` leaves it alone. ``MODELZOO_DETERMINISTIC=1`` in the environment
+        turns on ``torch.use_deterministic_algorithms`` (``scripts/reproduce.py`` sets it, with
+        ``CUBLAS_WORKSPACE_CONFIG``, to rerun a CUDA log made that way; the run log's
+        fingerprint records it).
         """
+        if os.environ.get("MODELZOO_DETERMINISTIC") == "1":
+            torch.use_deterministic_algorithms(True)
         use_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
         if use_cuda and not torch.cuda.is_available():
             raise RuntimeError("device='cuda' was requested but torch.cuda.is_available() is False")

@@ -535,18 +535,19 @@ def train_transforms(
     lighting: float = 0.1,
     scale: tuple[float, float] = (0.08, 1.0),
     ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
+    hflip: float = 0.5,
 ) -> Compose:
     """GluonCV's ImageNet training transform.
 
-    ``RandomResizedCrop(input_size)`` -> flip -> ``ToTensor`` -> ``ColorJitter(jitter)`` ->
-    ``Lighting(lighting)`` -> ``Normalize(mean, std)``; a zero ``jitter`` or ``lighting``
-    drops that step. ``mean``/``std`` are in 0-255 units.
+    ``RandomResizedCrop(input_size)`` -> flip (probability ``hflip``) -> ``ToTensor`` ->
+    ``ColorJitter(jitter)`` -> ``Lighting(lighting)`` -> ``Normalize(mean, std)``; a zero
+    ``hflip``, ``jitter`` or ``lighting`` drops that step (mirrored digits or text are other
+    classes, so their recipes use ``hflip=0``). ``mean``/``std`` are in 0-255 units.
     """
-    steps: list[Callable[[Any], Any]] = [
-        RandomResizedCrop(input_size, scale=scale, ratio=ratio),
-        RandomHorizontalFlip(),
-        ToTensor(),
-    ]
+    steps: list[Callable[[Any], Any]] = [RandomResizedCrop(input_size, scale=scale, ratio=ratio)]
+    if hflip > 0:
+        steps.append(RandomHorizontalFlip(hflip))
+    steps.append(ToTensor())
     if jitter > 0:
         steps.append(ColorJitter(brightness=jitter, contrast=jitter, saturation=jitter))
     if lighting > 0:

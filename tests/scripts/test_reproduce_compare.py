@@ -59,8 +59,28 @@ def test_identical_logs_pass():
     lines = []
     ok, message = reproduce.compare_logs(make_log(), make_log(), report=lines.append)
     assert ok, message
-    assert "5 records match" in message
-    assert len(lines) == 5 and lines[0].startswith("ok  step epoch=0 step=2")
+    assert "6 records match" in message  # 3 step, epoch, eval and the end record
+    assert len(lines) == 6 and lines[0].startswith("ok  step epoch=0 step=2")
+    assert lines[-1].startswith("ok  end")
+
+
+def test_a_record_missing_from_the_rerun_is_a_divergence():
+    new = [r for r in make_log() if r["kind"] != "eval"]
+    ok, message = reproduce.compare_logs(make_log(), new)
+    assert not ok and "eval epoch=0 step=4: the rerun has no such record" in message
+
+
+def test_a_field_missing_from_the_rerun_is_a_divergence():
+    new = make_log()
+    del new[2]["loss"]
+    ok, message = reproduce.compare_logs(make_log(), new)
+    assert not ok and "step epoch=0 step=4, field 'loss': the rerun's record lacks it" in message
+
+
+def test_a_full_rerun_must_have_the_end_record():
+    new = [r for r in make_log() if r["kind"] != "end"]  # reached step 6, as the original
+    ok, message = reproduce.compare_logs(make_log(), new)
+    assert not ok and "end epoch=None step=None: the rerun has no such record" in message
 
 
 def test_perturbed_loss_fails_naming_record_and_field():
@@ -160,10 +180,14 @@ with open(a.run_log, "w") as f:
 """
 
 
-def _published_log(tmp_path, extra_args=()):
+def _published_log(tmp_path, extra_args=(), fingerprint="here"):
     script = tmp_path / "fake_train.py"
     script.write_text(textwrap.dedent(FAKE_TRAINER))
     header = {"kind": "header", "command": [str(script), *extra_args], "world_size": 1}
+    if fingerprint == "here":
+        header["fingerprint"] = reproduce.native_fingerprint()
+    elif fingerprint is not None:
+        header["fingerprint"] = fingerprint
     records = [header] + [
         {"kind": "step", "epoch": 0, "step": s, "loss": 1.0 / s, "samples_per_sec": 9.0}
         for s in range(1, 7)
@@ -201,18 +225,107 @@ def test_main_rejects_log_without_header(tmp_path, capsys, content):
     assert "header" in capsys.readouterr().err
 
 
-def test_rerun_uses_the_original_thread_count():
-    # CPU reductions sum in a thread-count-dependent order; the header records the count.
-    env = reproduce.rerun_env({"threads": 1}, base={"OMP_NUM_THREADS": "8", "PATH": "/bin"})
+def test_rerun_uses_the_original_thread_count_and_pins():
+    # CPU reductions sum in a thread-count-dependent order; the fingerprint records the count
+    # and the ISA pins, which the rerun gets exactly (unrecorded pins are removed).
+    header = {"fingerprint": {"threads": 1, "isa_pins": {"ATEN_CPU_CAPABILITY": "avx2"}}}
+    base = {"OMP_NUM_THREADS": "8", "PATH": "/bin", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
+    env = reproduce.rerun_env(header, base=base)
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "1"
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2" and "ONEDNN_MAX_CPU_ISA" not in env
     assert env["PATH"] == "/bin" and str(reproduce.REPO_ROOT) in env["PYTHONPATH"].split(os.pathsep)
-    # an older log without the field leaves the caller's setting alone
-    assert reproduce.rerun_env({}, base={"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "8"
+    # the statistical rerun of a log this machine cannot re-create keeps the caller's kernels
+    assert reproduce.rerun_env(header, base=base, pins=False)["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
+    # an older log with the count at the top level and no fingerprint
+    assert reproduce.rerun_env({"threads": 3}, base={})["OMP_NUM_THREADS"] == "3"
+    cuda = {"fingerprint": {"device": {"type": "cuda"}, "deterministic": True}}
+    env = reproduce.rerun_env(cuda, base={})
+    assert env["MODELZOO_DETERMINISTIC"] == "1" and env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
 
 
-def test_header_records_the_thread_count():
-    import torch
+def test_main_says_not_comparable_for_a_log_without_fingerprint(tmp_path, capsys):
+    log = _published_log(tmp_path, fingerprint=None)
+    assert reproduce.main([str(log), "--max-steps", "3", "--python", sys.executable]) == 4
+    out = capsys.readouterr().out
+    assert "not comparable: the log has no machine fingerprint" in out
+    assert "rerunning" not in out  # an exact check that cannot be made is not spent
 
-    from trainers.logs import make_header
 
-    assert make_header(["scripts/x.py"], 0, 1)["threads"] == torch.get_num_threads()
+def test_main_says_not_comparable_for_another_processor(tmp_path, capsys):
+    other = reproduce.native_fingerprint()
+    other["cpu"] = {**other["cpu"], "vendor": "SomeOtherVendor", "model": -1}
+    log = _published_log(tmp_path, fingerprint=other)
+    assert reproduce.main([str(log), "--max-steps", "3", "--python", sys.executable]) == 4
+    assert "not comparable: the log was made on SomeOtherVendor" in capsys.readouterr().out
+
+
+def _claims(tmp_path, log, claim):
+    path = tmp_path / "claims.json"
+    entry = {
+        "description": "fake", "metric": "loss", "source": "end", "documented_minimum": claim,
+        "min_seeds": 1, "logs": [str(log.resolve())], "seeds": [0], "values": [claim], "n": 1,
+        "mean": claim, "std": None, "min": claim, "max": claim, "claim": claim,
+    }  # fmt: skip
+    path.write_text(json.dumps({"recipes": {"fake": entry}}))
+    return path
+
+
+FULL_TRAINER = FAKE_TRAINER.replace(
+    'json.dumps({"kind": "end", "steps": a.max_steps})',
+    'json.dumps({"kind": "end", "steps": a.max_steps, "loss": 1.0 / a.max_steps})',
+)
+
+
+def test_full_rerun_checks_the_claim(tmp_path, capsys):
+    log = _published_log(tmp_path)
+    (tmp_path / "fake_train.py").write_text(textwrap.dedent(FULL_TRAINER))
+    # the fake run ends at loss 1/6 ~ 0.167 ("higher is better" for every published metric)
+    met = _claims(tmp_path, log, 0.1)
+    assert reproduce.main([str(log), "--full", "--claims", str(met)]) == 0
+    out = capsys.readouterr().out
+    assert "reproduced:" in out and "claim met: recipe fake: loss=0.166667" in out
+    missed = _claims(tmp_path, log, 0.5)
+    assert reproduce.main([str(log), "--full", "--claims", str(missed)]) == 1
+    assert "claim missed" in capsys.readouterr().err
+
+
+def test_full_rerun_on_a_machine_that_cannot_compare_exits_4_when_the_claim_holds(tmp_path, capsys):
+    log = _published_log(tmp_path, fingerprint=None)
+    (tmp_path / "fake_train.py").write_text(textwrap.dedent(FULL_TRAINER))
+    assert reproduce.main([str(log), "--full", "--claims", str(_claims(tmp_path, log, 0.1))]) == 4
+    out = capsys.readouterr().out
+    assert "not comparable" in out and "claim met" in out and "reproduced:" not in out
+    assert reproduce.main([str(log), "--full", "--claims", str(_claims(tmp_path, log, 0.5))]) == 1
+
+
+def test_full_rerun_of_an_unpublished_log_is_refused_before_running(tmp_path, capsys):
+    log = _published_log(tmp_path)
+    other = tmp_path / "other.jsonl"
+    other.write_text(log.read_text())
+    assert reproduce.main([str(other), "--full", "--claims", str(_claims(tmp_path, log, 0.1))]) == 2
+    err = capsys.readouterr().err
+    assert "not a seed of any recipe" in err
+
+
+def test_code_changes_since_the_log_commit_are_reported():
+    import subprocess
+
+    root = reproduce.REPO_ROOT
+    if not (root / ".git").exists():
+        pytest.skip("needs the git checkout")
+    first = subprocess.run(
+        ["git", "rev-list", "--max-parents=0", "HEAD"], cwd=root, capture_output=True, text=True
+    ).stdout.split()[0]
+    note = reproduce.code_changes({"git": first, "command": ["scripts/train_imagenet.py"]})
+    assert note is not None and "scripts/train_imagenet.py" in note and first[:12] in note
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", "scripts/reproduce.py"],
+        cwd=root, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    if not dirty:
+        header = {"git": head.stdout.strip(), "command": ["scripts/reproduce.py"]}
+        changed = reproduce.code_changes(header)
+        assert changed is None or "scripts/reproduce.py" not in changed
+    missing = reproduce.code_changes({"git": "0" * 40, "command": ["scripts/x.py"]})
+    assert missing is not None and "not in this checkout" in missing

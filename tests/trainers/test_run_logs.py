@@ -7,6 +7,8 @@ import json
 import re
 import sys
 
+import numpy as np
+import pytest
 import torch
 
 from tests.trainers._trainer_toys import ToyDataset, eval_step, make_mlp, train_step
@@ -43,8 +45,19 @@ def test_jsonl_records(tmp_path):
     header = records[0]
     assert header["command"] == ["scripts/train_x.py", "--lr", "0.1"]
     assert header["seed"] == 0 and header["world_size"] == 1
-    assert set(header["versions"]) == {"python", "torch", "numpy", "modelzoo"}
+    fp = header["fingerprint"]
+    assert fp["threads"] == torch.get_num_threads() and fp["world_size"] == 1
+    assert fp["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert (
+        fp["versions"]["torch"] == torch.__version__ and fp["versions"]["numpy"] == np.__version__
+    )
+    assert {"python", "modelzoo", "Pillow", "scikit-learn", "tokenizers", "torch_geometric",
+            "safetensors"} <= set(fp["versions"])  # fmt: skip
+    assert set(fp["isa_pins"]) == {"ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR",
+                                   "MKL_ENABLE_INSTRUCTIONS"}  # fmt: skip
+    assert fp["device"]["type"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert header["git"] is None or re.fullmatch(r"[0-9a-f]{40}", header["git"])
+    assert fp["git"]["commit"] == header["git"]
     assert header["config"] == {"lr": 0.1, "dir": str(tmp_path)}
     assert datetime.datetime.fromisoformat(header["time"]).utcoffset().total_seconds() == 0
     steps = [r for r in records if r["kind"] == "step"]
@@ -107,3 +120,84 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
         assert progress_bar(items, enabled=True) is items
     finally:
         sys.stderr.close()
+
+
+# -- the machine fingerprint and when two of them are comparable --------------------------------
+def _pinned_fingerprint(env_extra):
+    import os
+    import subprocess
+
+    code = "import json; from trainers.logs import machine_fingerprint as m; print(json.dumps(m()))"
+    env = {**os.environ, "PYTHONPATH": str(_REPO_ROOT), **env_extra}
+    for name in (
+        "ATEN_CPU_CAPABILITY",
+        "ONEDNN_MAX_CPU_ISA",
+        "MKL_CBWR",
+        "MKL_ENABLE_INSTRUCTIONS",
+    ):
+        if name not in env_extra:
+            env.pop(name, None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_fingerprint_records_the_pins_in_force_and_the_capability_they_give():
+    from trainers.logs import PORTABLE_CPU_PINS
+
+    fp = _pinned_fingerprint({"OMP_NUM_THREADS": "1"})
+    assert fp["threads"] == 1 and all(v is None for v in fp["isa_pins"].values())
+    if "avx2" not in fp["cpu"]["flags"]:
+        pytest.skip("needs an x86-64 CPU with AVX2")
+    pinned = _pinned_fingerprint(PORTABLE_CPU_PINS)
+    assert pinned["isa_pins"] == {**dict.fromkeys(pinned["isa_pins"]), **PORTABLE_CPU_PINS}
+    # torch itself reports the pinned dispatch level: the pin is in force, not just recorded
+    assert pinned["cpu_capability"] == "AVX2"
+
+
+def test_fingerprint_cpu_matches_proc_cpuinfo():
+    from pathlib import Path
+
+    from trainers.logs import cpu_info
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        pytest.skip("no /proc/cpuinfo")
+    text = cpuinfo.read_text()
+    info = cpu_info()
+    vendor = re.search(r"^vendor_id\s*:\s*(.+)$", text, re.M)
+    assert info["vendor"] == (vendor.group(1).strip() if vendor else None)
+    flags = re.search(r"^(flags|Features)\s*:\s*(.+)$", text, re.M)
+    if flags:
+        assert ("avx2" in flags.group(2).split()) == ("avx2" in info["flags"])
+
+
+def test_comparability_rules():
+    from trainers.logs import machine_fingerprint, not_comparable_reason
+
+    here = machine_fingerprint()
+    assert "no machine fingerprint" in not_comparable_reason(None, here)
+
+    def variant(**changes):
+        fp = json.loads(json.dumps(here))
+        for path, value in changes.items():
+            node = fp
+            *parents, leaf = path.split("__")
+            for p in parents:
+                node = node[p]
+            node[leaf] = value
+        return fp
+
+    unpinned = variant(isa_pins__ATEN_CPU_CAPABILITY=None)
+    assert not_comparable_reason(unpinned, here) is None  # this machine, same capability
+    assert "arm64" in not_comparable_reason(variant(cpu__arch="arm64"), here)
+    other = variant(cpu__vendor="AuthenticAMD", cpu__family=25, cpu__model=17)
+    assert "AuthenticAMD family 25 model 17" in not_comparable_reason(other, here)
+    other_isa = variant(isa_pins__ATEN_CPU_CAPABILITY=None, cpu_capability="ZVECTOR")
+    assert "only logs made with the ISA pinned" in not_comparable_reason(other_isa, here)
+    no_avx2 = {**here, "cpu": {**here["cpu"], "flags": ["avx"]}}
+    pinned = variant(isa_pins__ATEN_CPU_CAPABILITY="avx2")
+    assert "lacks avx2" in not_comparable_reason(pinned, no_avx2)
+    gpu = variant(device={"type": "cuda", "name": "NVIDIA H200", "capability": "9.0"})
+    if here["device"]["type"] == "cpu":
+        assert "CUDA device (NVIDIA H200)" in not_comparable_reason(gpu, here)

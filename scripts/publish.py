@@ -1,0 +1,251 @@
+"""Publish a recipe: run it for several seeds under the portable CPU pins, record its claim.
+
+Usage::
+
+    # run seeds 0-4 of a recipe into logs/<recipe>/seed<k>.jsonl, then update logs/claims.json
+    python scripts/publish.py run digits_resnest14 --seeds 0-4 --metric top1 \
+        --source last_eval --minimum 0.97 --description "the README's main job" \
+        -- scripts/train_imagenet.py --no-progress
+    # the same under torchrun, 2 processes on this machine
+    python scripts/publish.py run digits_2proc --nproc-per-node 2 ... -- scripts/train_imagenet.py ...
+    # the same seeds on this machine's own kernels (no pins), kept out of logs/ and claims
+    python scripts/publish.py run digits_resnest14 --seeds 0-4 --native --out-dir runs/native ...
+    python scripts/publish.py docs     # regenerate the claims tables in docs/ from claims.json
+    python scripts/publish.py check    # claims.json and the docs tables agree with the logs
+
+Every run is made with ``trainers.logs.PORTABLE_CPU_PINS`` in its environment (ATen's and
+oneDNN's ISA at AVX2, MKL's conditional numerical reproducibility at AVX2) and a fixed thread
+count (``--threads``, default 2), which its header's fingerprint records; that is what
+``scripts/reproduce.py`` re-applies. A run is written to a temporary file and moved into place
+only when it finishes with status 0, so a failed seed never leaves a partial log behind.
+
+Docs tables: a block ``<!-- claims: name1 name2 -->`` ... ``<!-- /claims -->`` in any file
+of ``docs/`` is replaced by a table of those recipes (mean +- std over n seeds, min, claim).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from trainers.checkpoint import atomic_write_text
+from trainers.claims import ClaimsError, load_claims, make_recipe, write_claims
+from trainers.logs import ISA_PIN_VARIABLES, PORTABLE_CPU_PINS
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CLAIMS = REPO_ROOT / "logs" / "claims.json"
+DOCS = REPO_ROOT / "docs"
+BLOCK = re.compile(r"(<!-- claims: ([^>]*?) -->\n)(.*?)(<!-- /claims -->)", re.S)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0-4"`` -> ``[0, 1, 2, 3, 4]``; ``"0,2,5"`` -> ``[0, 2, 5]``."""
+    seeds: list[int] = []
+    try:
+        for part in text.split(","):
+            if "-" in part:
+                lo, hi = (int(v) for v in part.split("-", 1))
+                if hi < lo:
+                    raise ValueError
+                seeds.extend(range(lo, hi + 1))
+            else:
+                seeds.append(int(part))
+    except ValueError:
+        raise SystemExit(f"--seeds: expected e.g. 0-4 or 0,1,2, got {text!r}") from None
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds: {text!r} repeats a seed")
+    return seeds
+
+
+def run_env(threads: int, *, native: bool, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a published run: the portable pins (unless ``native``) and the
+    thread count; any other ISA pin the caller had is removed."""
+    env = {
+        k: v
+        for k, v in (os.environ if base is None else base).items()
+        if k not in ISA_PIN_VARIABLES
+    }
+    if not native:
+        env.update(PORTABLE_CPU_PINS)
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def seed_command(
+    command: Sequence[str], seed: int, run_log: Path, *, nproc: int, python: str = sys.executable
+) -> list[str]:
+    """``command`` (script relative to the repository, then its flags) for one seed."""
+    if not command or not command[0].endswith(".py"):
+        raise SystemExit(
+            "give the training command after --, e.g. -- scripts/train_imagenet.py ..."
+        )
+    for flag in ("--seed", "--run-log"):
+        if any(a == flag or a.startswith(flag + "=") for a in command):
+            raise SystemExit(f"leave {flag} out of the command: publish.py sets it per seed")
+    args = [*command[1:], "--seed", str(seed), "--run-log", str(run_log)]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    return [python, *(launcher if nproc > 1 else []), command[0], *args]
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    out_dir = Path(args.out_dir) if args.out_dir else REPO_ROOT / "logs" / args.recipe
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = run_env(args.threads, native=args.native)
+    for seed in parse_seeds(args.seeds):
+        final = out_dir / f"seed{seed}.jsonl"
+        partial = out_dir / f".seed{seed}.jsonl.partial"
+        partial.unlink(missing_ok=True)
+        command = seed_command(args.command, seed, partial, nproc=args.nproc_per_node)
+        print(f"[{args.recipe} seed {seed}] {' '.join(command)}", flush=True)
+        start = time.perf_counter()
+        result = subprocess.run(command, cwd=REPO_ROOT, env=env, check=False)
+        if result.returncode != 0 or not partial.is_file():
+            partial.unlink(missing_ok=True)
+            print(f"publish.py: seed {seed} failed (exit {result.returncode}); nothing written",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        shutil.move(partial, final)
+        print(
+            f"[{args.recipe} seed {seed}] {final} ({time.perf_counter() - start:.1f} s)", flush=True
+        )
+    if args.no_claims or args.native:
+        return 0
+    logs = sorted(out_dir.glob("seed*.jsonl"), key=lambda p: int(p.stem[4:]))
+    claims = load_claims(args.claims) if Path(args.claims).is_file() else {"recipes": {}}
+    entry = make_recipe(
+        logs, metric=args.metric, source=args.source, documented_minimum=args.minimum,
+        description=args.description, min_seeds=args.min_seeds, root=REPO_ROOT,
+    )  # fmt: skip
+    claims["recipes"][args.recipe] = entry
+    write_claims(args.claims, claims)
+    spread = "" if entry["std"] is None else f" +- {entry['std']:.4f}"
+    print(
+        f"{args.recipe}: {entry['metric']} {entry['mean']:.4f}{spread} over {entry['n']} seeds, "
+        f"min {entry['min']:.4f}, claim >= {entry['claim']:.4f} -> {args.claims}"
+    )
+    return 0
+
+
+def _fmt(value: float | None, metric: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if abs(value) > 1.5 else f"{100 * value:.2f} %"
+
+
+def render_table(claims: dict[str, Any], names: Sequence[str]) -> str:
+    """The markdown table of a docs block (see the module docstring)."""
+    lines = [
+        "| recipe | metric | mean ± std (n seeds) | min | max | claim (a fresh run reaches) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        if name not in claims["recipes"]:
+            raise ClaimsError(f"docs name recipe {name!r}, which logs/claims.json does not list")
+        e = claims["recipes"][name]
+        m = e["metric"]
+        spread = (
+            f"{_fmt(e['mean'], m)} ± {_fmt(e['std'], m)}"
+            if e["std"] is not None
+            else _fmt(e["mean"], m)
+        )
+        lines.append(
+            f"| `{name}` ({e['description']}) | {m} | {spread} ({e['n']}) | {_fmt(e['min'], m)} "
+            f"| {_fmt(e['max'], m)} | ≥ {_fmt(e['claim'], m)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_docs(claims: dict[str, Any], docs: Path = DOCS) -> dict[Path, str]:
+    """``{file: new text}`` for every docs file whose claims blocks are out of date."""
+    changed = {}
+    for path in sorted(docs.rglob("*.md")):
+        text = path.read_text(encoding="utf-8")
+        new = BLOCK.sub(
+            lambda m: m.group(1) + render_table(claims, m.group(2).split()) + m.group(4), text
+        )
+        if new != text:
+            changed[path] = new
+    return changed
+
+
+def cmd_docs(args: argparse.Namespace) -> int:
+    for path, text in render_docs(load_claims(args.claims)).items():
+        atomic_write_text(path, text)
+        print(f"updated {path.relative_to(REPO_ROOT)}")
+    return 0
+
+
+def check(claims_path: Path = CLAIMS, docs: Path = DOCS) -> list[str]:
+    """Every disagreement between claims.json, the logs and the docs tables (empty: none)."""
+    problems = []
+    claims = load_claims(claims_path)
+    for name, entry in claims["recipes"].items():
+        try:
+            fresh = make_recipe(
+                [REPO_ROOT / p for p in entry["logs"]], metric=entry["metric"],
+                source=entry["source"], documented_minimum=entry["documented_minimum"],
+                description=entry["description"], min_seeds=entry["min_seeds"], root=REPO_ROOT,
+            )  # fmt: skip
+        except (ClaimsError, OSError, ValueError) as e:
+            problems.append(f"{name}: {e}")
+            continue
+        for field, value in fresh.items():
+            if entry.get(field) != value:
+                problems.append(f"{name}: {field} is {entry.get(field)!r}, the logs give {value!r}")
+    for path in render_docs(claims, docs):
+        problems.append(f"{path}: claims tables out of date (run scripts/publish.py docs)")
+    return problems
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    problems = check(Path(args.claims))
+    for line in problems:
+        print(line, file=sys.stderr)
+    print("claims: ok" if not problems else f"claims: {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1 :]
+    p = argparse.ArgumentParser(description="Publish recipes over seeds and their claims.")
+    p.add_argument("--claims", default=str(CLAIMS), help="the claims file")
+    sub = p.add_subparsers(dest="action", required=True)
+    r = sub.add_parser("run", help="run seeds of a recipe; then update the claims file")
+    r.add_argument("recipe", help="the recipe's name: logs/<recipe>/seed<k>.jsonl")
+    r.add_argument("--seeds", default="0-4", help="e.g. 0-4 or 0,1,2")
+    r.add_argument("--metric", required=True, help="e.g. top1, best_test_acc, f1")
+    r.add_argument("--source", choices=("end", "last_eval"), default="last_eval")
+    r.add_argument("--minimum", type=float, required=True, help="the documented minimum")
+    r.add_argument("--description", required=True, help="a few words for the docs table")
+    r.add_argument("--min-seeds", type=int, default=5, help="seeds the recipe must publish")
+    r.add_argument("--nproc-per-node", type=int, default=1, help="processes (torchrun) per run")
+    r.add_argument("--threads", type=int, default=2, help="torch CPU threads per process")
+    r.add_argument("--native", action="store_true", help="no ISA pins (a check, not a publication)")
+    r.add_argument("--out-dir", default=None, help="default logs/<recipe>")
+    r.add_argument("--no-claims", action="store_true", help="do not update the claims file")
+    sub.add_parser("docs", help="regenerate the claims tables in docs/")
+    sub.add_parser("check", help="claims file and docs tables agree with the logs")
+    args = p.parse_args(argv)
+    args.command = command
+    try:
+        return {"run": cmd_run, "docs": cmd_docs, "check": cmd_check}[args.action](args)
+    except ClaimsError as e:
+        print(f"publish.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
