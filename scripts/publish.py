@@ -16,8 +16,8 @@ Usage::
 Every run is made with ``trainers.logs.PORTABLE_CPU_PINS`` in its environment (ATen's and
 oneDNN's ISA at AVX2, MKL's conditional numerical reproducibility at AVX2) and a fixed thread
 count (``--threads``, default 2), which its header's fingerprint records; that is what
-``scripts/reproduce.py`` re-applies. A run is written to a temporary file and moved into place
-only when it finishes with status 0, so a failed seed never leaves a partial log behind.
+``scripts/reproduce.py`` re-applies. A seed whose run fails leaves no log behind (a log it
+was replacing is put back).
 
 Docs tables: a block ``<!-- claims: name1 name2 -->`` ... ``<!-- /claims -->`` in any file
 of ``docs/`` is replaced by a table of those recipes (mean +- std over n seeds, min, claim).
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -102,20 +101,36 @@ def cmd_run(args: argparse.Namespace) -> int:
     env = run_env(args.threads, native=args.native)
     for seed in parse_seeds(args.seeds):
         final = out_dir / f"seed{seed}.jsonl"
-        partial = out_dir / f".seed{seed}.jsonl.partial"
-        partial.unlink(missing_ok=True)
-        command = seed_command(args.command, seed, partial, nproc=args.nproc_per_node)
+        # the header records the command as run: name the log by its final, relative path
+        shown = (
+            final.resolve().relative_to(REPO_ROOT)
+            if final.resolve().is_relative_to(REPO_ROOT)
+            else final
+        )
+        previous = final.with_name(f".{final.name}.previous")
+        if final.exists():
+            os.replace(final, previous)
+        command = seed_command(args.command, seed, Path(shown), nproc=args.nproc_per_node)
         print(f"[{args.recipe} seed {seed}] {' '.join(command)}", flush=True)
         start = time.perf_counter()
-        result = subprocess.run(command, cwd=REPO_ROOT, env=env, check=False)
-        if result.returncode != 0 or not partial.is_file():
-            partial.unlink(missing_ok=True)
+        try:
+            result = subprocess.run(command, cwd=REPO_ROOT, env=env, check=False)
+            failed = result.returncode != 0 or not final.is_file()
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            if failed:  # no partial log survives; the previous one (if any) comes back
+                final.unlink(missing_ok=True)
+                if previous.exists():
+                    os.replace(previous, final)
+        previous.unlink(missing_ok=True)
+        if failed:
             print(f"publish.py: seed {seed} failed (exit {result.returncode}); nothing written",
                   file=sys.stderr)  # fmt: skip
             return 1
-        shutil.move(partial, final)
         print(
-            f"[{args.recipe} seed {seed}] {final} ({time.perf_counter() - start:.1f} s)", flush=True
+            f"[{args.recipe} seed {seed}] {shown} ({time.perf_counter() - start:.1f} s)", flush=True
         )
     if args.no_claims or args.native:
         return 0
