@@ -10,6 +10,9 @@ Usage::
     python scripts/publish.py run digits_2proc --nproc-per-node 2 ... -- scripts/train_imagenet.py ...
     # the same seeds on this machine's own kernels (no pins), kept out of logs/ and claims
     python scripts/publish.py run digits_resnest14 --seeds 0-4 --native --out-dir runs/native ...
+    # list a recipe whose logs exist already (e.g. one written before fingerprints: "legacy")
+    python scripts/publish.py add squad_minilm_3ep --logs logs/squad_minilm_3ep.jsonl \
+        --metric f1 --source end --minimum 43 --min-seeds 3 --description "..."
     python scripts/publish.py docs     # regenerate the claims tables in docs/ from claims.json
     python scripts/publish.py check    # claims.json and the docs tables agree with the logs
 
@@ -150,6 +153,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_add(args: argparse.Namespace) -> int:
+    claims = load_claims(args.claims) if Path(args.claims).is_file() else {"recipes": {}}
+    entry = make_recipe(
+        [REPO_ROOT / p if not Path(p).is_absolute() else Path(p) for p in args.logs],
+        metric=args.metric, source=args.source, documented_minimum=args.minimum,
+        description=args.description, min_seeds=args.min_seeds, root=REPO_ROOT,
+    )  # fmt: skip
+    claims["recipes"][args.recipe] = entry
+    write_claims(args.claims, claims)
+    print(f"{args.recipe}: {entry['status']}, n={entry['n']}, claim >= {entry['claim']:.4f}")
+    return 0
+
+
 def _fmt(value: float | None, metric: str) -> str:
     if value is None:
         return "-"
@@ -251,12 +267,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--native", action="store_true", help="no ISA pins (a check, not a publication)")
     r.add_argument("--out-dir", default=None, help="default logs/<recipe>")
     r.add_argument("--no-claims", action="store_true", help="do not update the claims file")
+    a = sub.add_parser("add", help="list a recipe whose logs already exist")
+    a.add_argument("recipe")
+    a.add_argument("--logs", nargs="+", required=True, help="its run logs, one per seed")
+    for parser in (a,):
+        parser.add_argument("--metric", required=True)
+        parser.add_argument("--source", choices=("end", "last_eval"), default="last_eval")
+        parser.add_argument("--minimum", type=float, required=True)
+        parser.add_argument("--description", required=True)
+        parser.add_argument("--min-seeds", type=int, default=5)
     sub.add_parser("docs", help="regenerate the claims tables in docs/")
     sub.add_parser("check", help="claims file and docs tables agree with the logs")
     args = p.parse_args(argv)
     args.command = command
     try:
-        return {"run": cmd_run, "docs": cmd_docs, "check": cmd_check}[args.action](args)
+        return {"run": cmd_run, "add": cmd_add, "docs": cmd_docs, "check": cmd_check}[args.action](
+            args
+        )
     except ClaimsError as e:
         print(f"publish.py: error: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,9 @@ mean, (sample) standard deviation, min and max, and the claim a fresh run must m
     claim = max(documented minimum, mean - 3 std)
 
 A recipe with a single published seed has no spread to speak of: its claim is its documented
-minimum and ``std`` is null. ``scripts/publish.py`` writes the file; ``scripts/reproduce.py
+minimum and ``std`` is null. ``status`` is ``"published"`` when every log carries a machine
+fingerprint (made by ``scripts/publish.py``) and ``"legacy"`` when none does (a log written
+before fingerprints existed, listed until it is republished over seeds). ``scripts/publish.py`` writes the file; ``scripts/reproduce.py
 --full`` checks a fresh run against it; the tests recompute every number from the logs.
 
 Example:
@@ -36,6 +38,7 @@ __all__ = [
     "load_claims",
     "make_recipe",
     "metric_of",
+    "published_logs",
     "summarize",
     "write_claims",
 ]
@@ -45,12 +48,22 @@ __all__ = [
 SOURCES = ("end", "last_eval")
 RECIPE_FIELDS = (
     "description", "metric", "source", "documented_minimum", "min_seeds", "logs", "seeds",
-    "values", "n", "mean", "std", "min", "max", "claim",
+    "values", "n", "mean", "std", "min", "max", "claim", "status",
 )  # fmt: skip
 
 
 class ClaimsError(ValueError):
     """A claims file that is missing, malformed, or does not list the log asked about."""
+
+
+def published_logs(logs_dir: str | os.PathLike[str]) -> list[Path]:
+    """Every run log under ``logs_dir`` (``*.jsonl``, any depth), sorted; the per-rank ledgers
+    of elastic runs (``*.ledger/``) are not run logs and are left out."""
+    root = Path(logs_dir)
+    return sorted(
+        p for p in root.rglob("*.jsonl")
+        if not any(part.endswith(".ledger") or part.startswith(".") for part in p.relative_to(root).parts)
+    )  # fmt: skip
 
 
 def metric_of(records: Sequence[Mapping[str, Any]], metric: str, source: str) -> float:
@@ -116,16 +129,22 @@ def make_recipe(
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     root = Path(root)
-    seeds, values = [], []
+    seeds, values, fingerprinted = [], [], []
     for log in logs:
         records = read_run_log(log)
         seeds.append(records[0].get("seed"))
+        fingerprinted.append(bool(records[0].get("fingerprint")))
         try:
             values.append(metric_of(records, metric, source))
         except KeyError as e:
             raise ClaimsError(f"{log}: {e.args[0]}") from None
     if len(set(seeds)) != len(seeds):
         raise ClaimsError(f"the logs repeat a seed: {seeds}; each log must be another seed")
+    if any(fingerprinted) and not all(fingerprinted):
+        raise ClaimsError(
+            f"some logs of {list(map(str, logs))} have a machine fingerprint and some do not: "
+            "republish the old ones, or list only one kind"
+        )
     stats = summarize(values)
     return {
         "description": description,
@@ -138,6 +157,8 @@ def make_recipe(
         "values": values,
         **stats,
         "claim": claim_value(documented_minimum, stats["mean"], stats["std"]),
+        # "legacy": logs written before fingerprints, one seed each, awaiting republication
+        "status": "published" if all(fingerprinted) else "legacy",
     }
 
 

@@ -83,16 +83,21 @@ def _bounds(text: str) -> tuple[float | None, float | None]:
 
 
 def add_optimizer_args(
-    parser: argparse.ArgumentParser, *, default: str = "nag", lr: float | None = None
+    parser: argparse.ArgumentParser,
+    *,
+    default: str = "nag",
+    lr: float | None = None,
+    wd: float | None = 1e-4,
 ) -> None:
-    """``--optimizer`` and the hyperparameters of every registered optimizer."""
+    """``--optimizer`` and the hyperparameters of every registered optimizer (a script whose
+    defaults depend on its data passes ``lr=None``/``wd=None`` and fills them in itself)."""
     g = parser.add_argument_group("optimizer")
     g.add_argument(
         "--optimizer", type=str.lower, default=default, help=f"one of {list_optimizers()}"
     )
     g.add_argument("--lr", type=float, default=lr, help="base learning rate")
     g.add_argument("--momentum", type=float, default=0.9, help="sgd/nag momentum")
-    g.add_argument("--wd", type=float, default=1e-4, help="weight decay")
+    g.add_argument("--wd", type=float, default=wd, help="weight decay")
     g.add_argument(
         "--no-wd",
         action="store_true",

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from trainers.claims import published_logs
+
 ROOT = Path(__file__).resolve().parents[2]
-LOGS = sorted((ROOT / "logs").glob("*.jsonl"))
+LOGS = published_logs(ROOT / "logs")
 
 
 def _load():
@@ -195,8 +197,9 @@ def _expected_grad_bytes(path: Path, records: list[dict]) -> float:
         for w in (modelzoo.registry.get_model_entry(name).weights or {}).values()
         if (w.recipe or {}).get("log")
     }
-    if f"logs/{path.name}" in published:
-        return 4.0 * published[f"logs/{path.name}"]
+    rel = path.relative_to(ROOT).as_posix()
+    if rel in published:
+        return 4.0 * published[rel]
     same = (config.get("model"), config.get("dataset"))
     for other in LOGS:
         theirs = _records(other)
@@ -220,7 +223,7 @@ def test_train_gnn_graph_datasets_match():
     assert set(whatif.GNN_GRAPH_DATASETS) == set(_train_gnn_graph_datasets())
 
 
-@pytest.mark.parametrize("path", LOGS, ids=[p.stem for p in LOGS])
+@pytest.mark.parametrize("path", LOGS, ids=[p.relative_to(ROOT / "logs").as_posix() for p in LOGS])
 def test_runs_on_every_published_log(path, capsys):
     records = _records(path)
     seconds = _step_seconds(records)
