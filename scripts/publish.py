@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
+
 from trainers.checkpoint import atomic_write_text
 from trainers.claims import ClaimsError, load_claims, make_recipe, write_claims
 from trainers.logs import ISA_PIN_VARIABLES, PORTABLE_CPU_PINS
@@ -138,13 +140,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.no_claims or args.native:
         return 0
     logs = sorted(out_dir.glob("seed*.jsonl"), key=lambda p: int(p.stem[4:]))
-    claims = load_claims(args.claims) if Path(args.claims).is_file() else {"recipes": {}}
     entry = make_recipe(
         logs, metric=args.metric, source=args.source, documented_minimum=args.minimum,
         description=args.description, min_seeds=args.min_seeds, root=REPO_ROOT,
     )  # fmt: skip
-    claims["recipes"][args.recipe] = entry
-    write_claims(args.claims, claims)
+    update_claims(Path(args.claims), args.recipe, entry)
     spread = "" if entry["std"] is None else f" +- {entry['std']:.4f}"
     print(
         f"{args.recipe}: {entry['metric']} {entry['mean']:.4f}{spread} over {entry['n']} seeds, "
@@ -153,15 +153,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def update_claims(path: Path, name: str, entry: dict[str, Any]) -> None:
+    """Set one recipe's entry; a lock keeps two publishers from losing each other's update."""
+    with FileLock(str(path) + ".lock"):
+        claims = load_claims(path) if path.is_file() else {"recipes": {}}
+        claims["recipes"][name] = entry
+        write_claims(path, claims)
+
+
 def cmd_add(args: argparse.Namespace) -> int:
-    claims = load_claims(args.claims) if Path(args.claims).is_file() else {"recipes": {}}
     entry = make_recipe(
         [REPO_ROOT / p if not Path(p).is_absolute() else Path(p) for p in args.logs],
         metric=args.metric, source=args.source, documented_minimum=args.minimum,
         description=args.description, min_seeds=args.min_seeds, root=REPO_ROOT,
     )  # fmt: skip
-    claims["recipes"][args.recipe] = entry
-    write_claims(args.claims, claims)
+    update_claims(Path(args.claims), args.recipe, entry)
     print(f"{args.recipe}: {entry['status']}, n={entry['n']}, claim >= {entry['claim']:.4f}")
     return 0
 
