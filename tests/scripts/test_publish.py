@@ -1,0 +1,210 @@
+"""scripts/publish.py and trainers.claims: seeds under the pins, claims, docs tables."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from trainers.claims import (
+    ClaimsError,
+    claim_value,
+    find_recipe,
+    load_claims,
+    make_recipe,
+    metric_of,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("publish_script", ROOT / "scripts" / "publish.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+publish = _load()
+
+
+def test_parse_seeds():
+    assert publish.parse_seeds("0-4") == [0, 1, 2, 3, 4]
+    assert publish.parse_seeds("3,1,7-8") == [3, 1, 7, 8]
+    for bad in ("a", "4-2", "1,1"):
+        with pytest.raises(SystemExit):
+            publish.parse_seeds(bad)
+
+
+def test_run_env_pins_or_unpins_and_sets_threads():
+    base = {
+        "PATH": "/bin",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    }
+    env = publish.run_env(3, native=False, base=base)
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert env["MKL_CBWR"] == "AVX2" and "MKL_ENABLE_INSTRUCTIONS" not in env
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3" and env["PATH"] == "/bin"
+    native = publish.run_env(1, native=True, base=base)
+    assert not {"ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR"} & set(native)
+
+
+def test_seed_command_sets_seed_and_log_and_refuses_them_in_the_command():
+    cmd = publish.seed_command(
+        ["scripts/t.py", "--lr", "1"], 3, Path("logs/r/seed3.jsonl"), nproc=1, python="py"
+    )
+    assert cmd == [
+        "py",
+        "scripts/t.py",
+        "--lr",
+        "1",
+        "--seed",
+        "3",
+        "--run-log",
+        "logs/r/seed3.jsonl",
+    ]
+    cmd = publish.seed_command(["scripts/t.py"], 0, Path("x.jsonl"), nproc=2, python="py")
+    assert cmd[:6] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    for bad in (["scripts/t.py", "--seed", "1"], ["scripts/t.py", "--run-log=x"], []):
+        with pytest.raises(SystemExit):
+            publish.seed_command(bad, 0, Path("x"), nproc=1)
+
+
+FAKE = """
+import argparse, json, os, sys
+p = argparse.ArgumentParser()
+p.add_argument("--seed", type=int); p.add_argument("--run-log"); p.add_argument("--fail-seed", type=int, default=-1)
+a = p.parse_args()
+from trainers.logs import make_header
+with open(a.run_log, "w") as f:
+    f.write(json.dumps(make_header(sys.argv, a.seed, 1)) + "\\n")
+    f.write(json.dumps({"kind": "eval", "epoch": 0, "step": 1, "top1": 0.9 + a.seed / 100}) + "\\n")
+    if a.seed == a.fail_seed:
+        sys.exit(3)  # a crash after a partial log
+    f.write(json.dumps({"kind": "end", "steps": 1, "top1": 0.9 + a.seed / 100}) + "\\n")
+"""
+
+
+@pytest.fixture
+def fake_repo(tmp_path, monkeypatch):
+    script = tmp_path / "scripts" / "fake.py"
+    script.parent.mkdir()
+    script.write_text(textwrap.dedent(FAKE))
+    monkeypatch.setattr(publish, "REPO_ROOT", tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    return tmp_path
+
+
+def _run(*args: str) -> int:
+    return publish.main(list(args))
+
+
+def test_run_publishes_seeds_and_their_claim(fake_repo):
+    claims = fake_repo / "logs" / "claims.json"
+    rc = _run("--claims", str(claims), "run", "fake", "--seeds", "0-2", "--metric", "top1",
+              "--minimum", "0.85", "--description", "a fake", "--threads", "1",
+              "--", "scripts/fake.py")  # fmt: skip
+    assert rc == 0
+    entry = load_claims(claims)["recipes"]["fake"]
+    values = [0.90, 0.91, 0.92]
+    assert entry["logs"] == [f"logs/fake/seed{k}.jsonl" for k in range(3)] and entry["seeds"] == [
+        0,
+        1,
+        2,
+    ]
+    assert entry["values"] == pytest.approx(values)
+    assert entry["std"] == pytest.approx(statistics.stdev(values))
+    assert entry["claim"] == pytest.approx(
+        max(0.85, statistics.fmean(values) - 3 * statistics.stdev(values))
+    )
+    assert entry["status"] == "published"
+    header = json.loads((fake_repo / "logs/fake/seed1.jsonl").read_text().splitlines()[0])
+    # the header records the final relative path and the pins it ran under
+    assert header["command"][-2:] == ["--run-log", "logs/fake/seed1.jsonl"]
+    assert header["fingerprint"]["isa_pins"]["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert header["fingerprint"]["threads"] == 1
+
+
+def test_a_failed_seed_leaves_no_log_and_restores_the_one_it_replaced(fake_repo):
+    claims = fake_repo / "logs" / "claims.json"
+    base = ["--claims", str(claims), "run", "fake", "--metric", "top1", "--minimum", "0.5",
+            "--description", "x", "--threads", "1"]  # fmt: skip
+    assert _run(*base, "--seeds", "0,1", "--", "scripts/fake.py") == 0
+    before = (fake_repo / "logs/fake/seed1.jsonl").read_text()
+    assert _run(*base, "--seeds", "2,1", "--", "scripts/fake.py", "--fail-seed", "2") == 1
+    assert not (fake_repo / "logs/fake/seed2.jsonl").exists()
+    assert (fake_repo / "logs/fake/seed1.jsonl").read_text() == before
+    assert not list((fake_repo / "logs/fake").glob(".*"))  # no partial or backup file left
+    assert load_claims(claims)["recipes"]["fake"]["n"] == 2  # the claim was not touched
+
+
+def test_claims_helpers_and_errors(tmp_path):
+    records = [{"kind": "header"}, {"kind": "eval", "top1": 0.5}, {"kind": "eval", "top1": 0.7},
+               {"kind": "end", "f1": 40.0}]  # fmt: skip
+    assert (
+        metric_of(records, "top1", "last_eval") == 0.7 and metric_of(records, "f1", "end") == 40.0
+    )
+    with pytest.raises(KeyError, match="did the run finish"):
+        metric_of(records[:-1], "f1", "end")
+    assert (
+        claim_value(0.9, 0.95, 0.01) == pytest.approx(0.92)
+        and claim_value(0.96, 0.95, 0.01) == 0.96
+    )
+    assert claim_value(0.9, 0.95, None) == 0.9
+    log = tmp_path / "a.jsonl"
+    log.write_text(
+        json.dumps({"kind": "header", "seed": 0})
+        + "\n"
+        + json.dumps({"kind": "end", "f1": 1.0})
+        + "\n"
+    )
+    entry = make_recipe(
+        [log], metric="f1", source="end", documented_minimum=0.5, description="d", root=tmp_path
+    )
+    assert entry["status"] == "legacy" and entry["std"] is None and entry["claim"] == 0.5
+    with pytest.raises(ClaimsError, match="repeat a seed"):
+        make_recipe(
+            [log, log],
+            metric="f1",
+            source="end",
+            documented_minimum=0.5,
+            description="d",
+            root=tmp_path,
+        )
+    with pytest.raises(ClaimsError, match="no claims file"):
+        load_claims(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"recipes": {"x": {"metric": "f1"}}}')
+    with pytest.raises(ClaimsError, match="recipe 'x' lacks"):
+        load_claims(bad)
+    with pytest.raises(ClaimsError, match="not a seed of any recipe"):
+        find_recipe({"recipes": {}}, log, root=tmp_path)
+
+
+def test_check_finds_a_tampered_claim_and_a_stale_docs_table(fake_repo, tmp_path):
+    claims = fake_repo / "logs" / "claims.json"
+    assert _run("--claims", str(claims), "run", "fake", "--seeds", "0,1", "--metric", "top1",
+                "--minimum", "0.5", "--description", "x", "--threads", "1", "--", "scripts/fake.py") == 0  # fmt: skip
+    docs = fake_repo / "docs"
+    docs.mkdir()
+    (docs / "page.md").write_text(
+        "before\n<!-- claims: fake -->\nold table\n<!-- /claims -->\nafter\n"
+    )
+    monkey_docs = publish.render_docs(load_claims(claims), docs)
+    assert list(monkey_docs) == [docs / "page.md"]
+    text = monkey_docs[docs / "page.md"]
+    assert "| `fake` (x) | top1 | 90.50 % ± 0.71 % (2) | 90.00 % | 91.00 % |" in text
+    assert text.startswith("before\n") and text.endswith("<!-- /claims -->\nafter\n")
+    (docs / "page.md").write_text(text)
+    assert publish.check(claims, docs) == []
+    data = json.loads(claims.read_text())
+    data["recipes"]["fake"]["mean"] = 0.99
+    claims.write_text(json.dumps(data))
+    problems = publish.check(claims, docs)
+    assert any("fake: mean is 0.99, the logs give" in p for p in problems)
+    assert any("claims tables out of date" in p for p in problems)
