@@ -181,8 +181,8 @@ def _fmt(value: float | None, metric: str) -> str:
 def render_table(claims: dict[str, Any], names: Sequence[str]) -> str:
     """The markdown table of a docs block (see the module docstring)."""
     lines = [
-        "| recipe | metric | mean ± std (n seeds) | min | max | claim (a fresh run reaches) |",
-        "|---|---|---|---|---|---|",
+        "| recipe | status | metric | mean ± std (n seeds) | min | max | claim (a fresh run reaches) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in names:
         if name not in claims["recipes"]:
@@ -195,7 +195,7 @@ def render_table(claims: dict[str, Any], names: Sequence[str]) -> str:
             else _fmt(e["mean"], m)
         )
         lines.append(
-            f"| `{name}` ({e['description']}) | {m} | {spread} ({e['n']}) | {_fmt(e['min'], m)} "
+            f"| `{name}` ({e['description']}) | {e['status']} | {m} | {spread} ({e['n']}) | {_fmt(e['min'], m)} "
             f"| {_fmt(e['max'], m)} | ≥ {_fmt(e['claim'], m)} |"
         )
     return "\n".join(lines) + "\n"

@@ -92,8 +92,10 @@ def published(
     """Weights trained by ``scripts/train_gnn.py`` here and shipped inside the package.
 
     The file is ``modelzoo/graph/weights/{name}-{sha256[:8]}.pth`` (a plain state dict, read
-    with ``weights_only=True``); ``command`` rebuilds it bit for bit on CPU and ``log`` is its
-    published run log.
+    with ``weights_only=True``); ``log`` is its published run log (seed 0 of the recipe, for
+    the recipes published over seeds), and ``command`` rebuilds it bit for bit on the processor
+    model that log's fingerprint names, under its recorded threads and ISA pins
+    (``scripts/reproduce.py`` re-applies them).
     """
     return Weights(
         url=f"{PACKAGE_WEIGHTS}/{name}-{sha256[:8]}.pth",

@@ -198,7 +198,7 @@ def test_check_finds_a_tampered_claim_and_a_stale_docs_table(fake_repo, tmp_path
     monkey_docs = publish.render_docs(load_claims(claims), docs)
     assert list(monkey_docs) == [docs / "page.md"]
     text = monkey_docs[docs / "page.md"]
-    assert "| `fake` (x) | top1 | 90.50 % ± 0.71 % (2) | 90.00 % | 91.00 % |" in text
+    assert "| `fake` (x) | published | top1 | 90.50 % ± 0.71 % (2) | 90.00 % | 91.00 % |" in text
     assert text.startswith("before\n") and text.endswith("<!-- /claims -->\nafter\n")
     (docs / "page.md").write_text(text)
     assert publish.check(claims, docs) == []
