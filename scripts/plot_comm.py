@@ -2,7 +2,7 @@
 
 Usage::
 
-    python scripts/plot_comm.py logs/digits_resnest14_2proc.jsonl logs/digits_comm_*_2proc.jsonl \
+    python scripts/plot_comm.py logs/digits_resnest14_2proc/seed0.jsonl logs/digits_comm_*_2proc.jsonl \
         -o docs/communication_digits.png
 
 Left: held-out top-1 of every ``eval`` record against the bytes one worker had sent by then;

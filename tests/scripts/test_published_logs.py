@@ -138,6 +138,7 @@ def test_log_is_complete(path):
 # One log per script and mode family; MODELZOO_REPRODUCE_ALL=1 reruns every published log.
 REPRODUCED_BY_DEFAULT = {
     "logs/digits_resnest14/seed0.jsonl",  # train_imagenet.py, one process
+    "logs/digits_lamb_b128/seed0.jsonl",  # LAMB with accumulation
     "logs/karate_gcn/seed0.jsonl",  # train_gnn.py, full graph
     "logs/sbm_gin/seed0.jsonl",  # graph classification, one thread (from the fingerprint)
 }
