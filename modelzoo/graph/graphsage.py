@@ -131,13 +131,13 @@ _KARATE = published(
 )
 _SBM = published(
     "graphsage_mean_sbm",
-    "9a1741a4c16c6f09cb9f12d0f2ff9dfd502a03fd59205340b5bfe49230a1c1d2",
+    "437fb79af80eb6a010ae6c5108a8702cb8dcc76b6158c1a5d10d888a8348a49a",
     num_params=5192,
     num_classes=8,
     metrics={"test_acc": 95.73},
     command="python scripts/train_gnn.py --model graphsage_mean_sbm --dataset sbm --fanouts 25,10 --batch-size 1024 --lr 0.003 --num-epochs 5 --export-weights "
-    "--no-progress --run-log logs/sbm_graphsage_mean.jsonl",
-    log="logs/sbm_graphsage_mean.jsonl",
+    "--no-progress --seed 0 --run-log logs/sbm_graphsage_mean/seed0.jsonl",
+    log="logs/sbm_graphsage_mean/seed0.jsonl",
     paper=_PAPER,
     dataset="synthetic SBM, 100k nodes (datasets.sbm_graph)",
 )
