@@ -32,7 +32,7 @@ PUBLISHED = {
     "gcn_karate": ("karate_gcn/seed0.jsonl", 0.90),
     "graphsage_mean_karate": ("karate_graphsage_mean/seed0.jsonl", 0.85),
     "gat_karate": ("karate_gat/seed0.jsonl", 0.90),
-    "gcn_sbm": ("sbm_gcn.jsonl", 0.95),
+    "gcn_sbm": ("sbm_gcn/seed0.jsonl", 0.95),
     "graphsage_mean_sbm": ("sbm_graphsage_mean/seed0.jsonl", 0.90),
     "gat_sbm": ("sbm_gat/seed0.jsonl", 0.90),
     "gin_sbm": ("sbm_gin/seed0.jsonl", 0.90),
