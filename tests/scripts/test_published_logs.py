@@ -139,6 +139,7 @@ def test_log_is_complete(path):
 REPRODUCED_BY_DEFAULT = {
     "logs/digits_resnest14/seed0.jsonl",  # train_imagenet.py, one process
     "logs/digits_lamb_b128/seed0.jsonl",  # LAMB with accumulation
+    "logs/digits_comm_ef_topk_2proc/seed0.jsonl",  # torchrun, 2 processes, top-k + EF
     "logs/karate_gcn/seed0.jsonl",  # train_gnn.py, full graph
     "logs/sbm_gin/seed0.jsonl",  # graph classification, one thread (from the fingerprint)
 }
