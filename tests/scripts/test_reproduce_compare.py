@@ -264,7 +264,7 @@ def _claims(tmp_path, log, claim):
     entry = {
         "description": "fake", "metric": "loss", "source": "end", "documented_minimum": claim,
         "min_seeds": 1, "logs": [str(log.resolve())], "seeds": [0], "values": [claim], "n": 1,
-        "mean": claim, "std": None, "min": claim, "max": claim, "claim": claim,
+        "mean": claim, "std": None, "min": claim, "max": claim, "claim": claim, "status": "legacy",
     }  # fmt: skip
     path.write_text(json.dumps({"recipes": {"fake": entry}}))
     return path
