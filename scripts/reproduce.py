@@ -147,6 +147,14 @@ def _expected(key: Key, record: Record, last: float, truncated: bool) -> bool:
     return step < last or (step == last and key[0] == "step")
 
 
+def _divergence(key: Key, what: str, orig: Record, rerun: Record | None = None) -> str:
+    """The message for the first divergence: where, what, and both records."""
+    text = f"first divergence at {_describe(key)}{what}\n  original: {json.dumps(orig, sort_keys=True)}"
+    if rerun is not None:
+        text += f"\n  rerun:    {json.dumps(rerun, sort_keys=True)}"
+    return text
+
+
 def compare_logs(
     original_records: Sequence[Record],
     new_records: Sequence[Record],
@@ -190,9 +198,8 @@ def compare_logs(
     for key in expected:
         orig = original[key]
         if key not in new:
-            return False, (
-                f"first divergence at {_describe(key)}: the rerun has no such record (it "
-                f"reached step {last:g})\n  original: {json.dumps(orig, sort_keys=True)}"
+            return False, _divergence(
+                key, f": the rerun has no such record (it reached step {last:g})", orig
             )
         rerun = new[key]
         fields = [
@@ -205,10 +212,8 @@ def compare_logs(
         for f in fields:
             a = orig[f]
             if f not in rerun:
-                return False, (
-                    f"first divergence at {_describe(key)}, field {f!r}: the rerun's record "
-                    f"lacks it\n  original: {json.dumps(orig, sort_keys=True)}\n"
-                    f"  rerun:    {json.dumps(rerun, sort_keys=True)}"
+                return False, _divergence(
+                    key, f", field {f!r}: the rerun's record lacks it", orig, rerun
                 )
             b = rerun[f]
             if isinstance(a, bool) or isinstance(b, bool) or not _is_number(b):
@@ -216,12 +221,8 @@ def compare_logs(
             else:
                 same = _close(float(b), float(a), rtol, atol)
             if not same:
-                return False, (
-                    f"first divergence at {_describe(key)}, field {f!r}: original {a!r}, "
-                    f"rerun {b!r} (rtol={rtol:g}, atol={atol:g})\n"
-                    f"  original: {json.dumps(orig, sort_keys=True)}\n"
-                    f"  rerun:    {json.dumps(rerun, sort_keys=True)}"
-                )
+                what = f", field {f!r}: original {a!r}, rerun {b!r} (rtol={rtol:g}, atol={atol:g})"
+                return False, _divergence(key, what, orig, rerun)
         compared += 1
         if report is not None:
             shown = " ".join(f"{f}={rerun[f]!r}" for f in fields if f not in ("epoch", "step"))
