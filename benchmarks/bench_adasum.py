@@ -1,6 +1,6 @@
 """Adasum allreduce vs a fused summing allreduce: 4 gloo processes, ResNet-50 gradients.
 
-Ours: :func:`trainers.adasum.adasum_allreduce_` on the 161 tensors of ResNet-50's parameter
+Ours: :func:`trainers.comm.adasum.adasum_allreduce_` on the 161 tensors of ResNet-50's parameter
 shapes (25.6 M float32 values): fusion into buckets, vector-halving distance-doubling
 exchange, per-tensor dot/norm sums, the pairwise rule, allgather, copy back.
 Peer: what a data-parallel framework does to sum the same tensors fast — concatenate them into
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainers.adasum import adasum_allreduce_
+from trainers.comm.adasum import adasum_allreduce_
 
 
 def resnet50_shapes() -> list[tuple[int, ...]]:

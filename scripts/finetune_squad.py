@@ -60,7 +60,13 @@ from modelzoo.nlp.stdlib_squad import stdlib_squad
 from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
 from trainers.checkpoint import load_checkpoint
-from trainers.cli import add_distributed_args, add_optimizer_args, build_combiner, build_optimizer
+from trainers.cli import (
+    add_distributed_args,
+    add_optimizer_args,
+    build_combiner,
+    build_optimizer,
+    run_configs,
+)
 from trainers.logs import format_metrics
 from trainers.schedules import create_schedule
 
@@ -465,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = Path(args.output_dir)
     logger = SquadLogger(args.run_log, enabled=env.is_main, logging_file=args.logging_file)
     logger.info(f"Namespace({', '.join(f'{k}={v!r}' for k, v in sorted(vars(args).items()))})")
-    logger.write(make_header(command, args.seed, env.world_size, args))
+    logger.write(make_header(command, args.seed, env.world_size, args, configs=run_configs(args)))
 
     try:
         train_set, dev_set = load_sets(args)

@@ -67,6 +67,7 @@ from trainers.cli import (
     build_elastic,
     build_optimizer,
     elastic_resuming,
+    run_configs,
 )
 from trainers.schedules import create_schedule
 
@@ -531,7 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     logger.info(f"Namespace({', '.join(f'{k}={v!r}' for k, v in sorted(vars(args).items()))})")
     if not appending:
-        logger.write(make_header(command, args.seed, env.world_size, args))
+        logger.write(
+            make_header(command, args.seed, env.world_size, args, configs=run_configs(args))
+        )
 
     tokenizer = load_tokenizer(args)
     data = load_phase_data(args, tokenizer, env)

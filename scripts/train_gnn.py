@@ -50,6 +50,7 @@ from trainers.cli import (
     build_combiner,
     build_optimizer,
     build_schedule,
+    run_configs,
 )
 
 NODE_DATASETS = ("karate", "sbm", "cora", "citeseer", "pubmed", "npz")
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     env = DistEnv.from_env()
     command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     logger = RunLogger(args.run_log, enabled=env.is_main)
-    logger.write(make_header(command, args.seed, env.world_size, args))
+    logger.write(make_header(command, args.seed, env.world_size, args, configs=run_configs(args)))
 
     loaded = load_dataset(args)
     graph_level = args.dataset in GRAPH_DATASETS

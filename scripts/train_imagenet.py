@@ -46,6 +46,7 @@ from trainers.cli import (
     build_optimizer,
     build_schedule,
     elastic_resuming,
+    run_configs,
 )
 
 # The built-in default: what a newcomer gets with no data flags. Measured on seed 0 (AVX2
@@ -345,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     logger.info(f"Namespace({', '.join(f'{k}={v!r}' for k, v in sorted(vars(args).items()))})")
     if not resuming:
-        logger.write(make_header(command, args.seed, env.world_size, args))
+        logger.write(
+            make_header(command, args.seed, env.world_size, args, configs=run_configs(args))
+        )
 
     train_set, val_set, num_classes = build_datasets(args)
     torch.manual_seed(args.seed)  # the same initial weights on every rank and every rerun

@@ -17,6 +17,21 @@ def test_model_zoo_table_is_current():
     assert result.returncode == 0, result.stderr
 
 
+def test_combiner_table_is_current():
+    """docs/communication.md lists every registered --grad-combine mode and its options."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_comm_docs.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    from trainers import list_combiners
+
+    text = (ROOT / "docs" / "communication.md").read_text(encoding="utf-8")
+    for mode in list_combiners():
+        assert f"| `{mode}` |" in text
+
+
 def test_readme_starts_with_the_two_commands():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     blocks = [b.split("```", 1)[0].strip() for b in text.split("```bash")[1:3]]

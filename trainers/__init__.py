@@ -5,19 +5,24 @@ precision, clipping, gradient combining, evaluation, checkpoints, run logs). Thi
 never imports ``modelzoo``.
 """
 
-from . import adasum, compress, elastic, localsgd, optim, schedules
+from . import comm, elastic, optim, schedules
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .combine import AverageCombiner, GradCombiner, unwrap_model
+from .comm import (
+    AverageCombiner,
+    GradCombiner,
+    create_combiner,
+    list_combiners,
+    register_combiner,
+    unwrap_model,
+)
 from .data import SeededDataset, ShardedSampler, derive_seed
 from .dist import DistEnv
 from .logs import RunLogger, format_metrics, make_header, progress_bar
 from .trainer import Trainer, TrainerConfig
 
 __all__ = [
-    "adasum",
-    "compress",
+    "comm",
     "elastic",
-    "localsgd",
     "optim",
     "schedules",
     "AverageCombiner",
@@ -29,11 +34,14 @@ __all__ = [
     "ShardedSampler",
     "Trainer",
     "TrainerConfig",
+    "create_combiner",
     "derive_seed",
     "format_metrics",
+    "list_combiners",
     "load_checkpoint",
     "make_header",
     "progress_bar",
+    "register_combiner",
     "save_checkpoint",
     "unwrap_model",
 ]

@@ -9,66 +9,36 @@ here (a new optimizer's hyperparameter, a new gradient combiner) reaches every s
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import types
+import typing
 from typing import Any
 
 import torch
 from torch import nn
 
-from .adasum import ADASUM_MODES, AdasumDeltaCombiner, AdasumGradCombiner, resolve_adasum_mode
-from .combine import AverageCombiner, GradCombiner
-from .compress import (
-    COMPRESSORS,
-    DDP_HOOKS,
-    Compressor,
-    CSERCombiner,
-    DDPHookCombiner,
-    ErrorFeedbackCombiner,
-    create_compressor,
-)
+from .comm import GradCombiner, combiner_class, create_combiner, list_combiners
+from .config import CombinerConfig, ElasticConfig, OptimizerConfig, ScheduleConfig
 from .dist import DistEnv
-from .localsgd import LocalAdaAlterCombiner, LocalSGDCombiner, SlowMoCombiner
 from .optim import create_optimizer, list_optimizers, optimizer_accepts
-from .schedules import SCHEDULE_MODES, LRSchedule, create_schedule
+from .schedules import SCHEDULE_MODES, LRSchedule
 
 __all__ = [
-    "GRAD_COMBINE_CHOICES",
     "add_distributed_args",
+    "add_elastic_args",
     "add_optimizer_args",
     "add_schedule_args",
     "build_combiner",
+    "build_elastic",
     "build_optimizer",
     "build_schedule",
+    "combiner_config",
+    "combiner_flags",
+    "elastic_config",
+    "optimizer_config",
+    "run_configs",
+    "schedule_config",
 ]
-
-GRAD_COMBINE_CHOICES = (
-    "average",
-    "adasum",
-    "ef",
-    "cser",
-    "powersgd",
-    "fp16",
-    "bf16",
-    "localsgd",
-    "slowmo",
-    "local-adaalter",
-)
-# Communication-efficient modes' flags: (dest, flag, the --grad-combine modes that take it).
-_COMM_FLAGS = (
-    ("compressor", "--compressor", ("ef", "cser")),
-    ("compress_ratio", "--compress-ratio", ("ef", "cser")),
-    ("qsgd_levels", "--qsgd-levels", ("ef", "cser")),
-    ("qsgd_bucket", "--qsgd-bucket", ("ef", "cser")),
-    ("cser_period", "--cser-period", ("cser",)),
-    ("cser_reset_compressor", "--cser-reset-compressor", ("cser",)),
-    ("powersgd_rank", "--powersgd-rank", ("powersgd",)),
-    ("powersgd_start_iter", "--powersgd-start-iter", ("powersgd",)),
-    ("local_steps", "--local-steps", ("localsgd", "slowmo", "local-adaalter")),
-    ("localsgd_warmup_steps", "--localsgd-warmup-steps", ("localsgd",)),
-    ("slowmo_period", "--slowmo-period", ("slowmo",)),
-    ("slowmo_momentum", "--slowmo-momentum", ("slowmo",)),
-    ("slowmo_lr", "--slowmo-lr", ("slowmo",)),
-    ("adaalter_eps", "--adaalter-eps", ("local-adaalter",)),
-)
 
 
 def _bounds(text: str) -> tuple[float | None, float | None]:
@@ -150,48 +120,60 @@ def add_optimizer_args(
     )
 
 
-def optimizer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments for :func:`trainers.optim.create_optimizer` from parsed flags.
+_OPTIMIZER_OPTION_FLAGS = {
+    "max_grad_norm": "--max-grad-norm",
+    "trust_clamp": "--trust-clamp",
+    "weight_norm_clamp": "--weight-norm-clamp",
+    "bias_correction": "--no-bias-correction",
+    "always_adapt": "--always-adapt",
+    "adapt_no_wd": "--adapt-no-wd",
+}
+
+
+def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+    """The :class:`OptimizerConfig` of parsed :func:`add_optimizer_args` flags.
 
     Raises:
         ValueError: a flag given that the chosen optimizer does not take.
     """
-    kwargs: dict[str, Any] = dict(
+    options: dict[str, Any] = {}
+    max_grad_norm = getattr(args, "max_grad_norm", None)
+    if max_grad_norm is not None:
+        options["max_grad_norm"] = max_grad_norm if max_grad_norm > 0 else None
+    for option in ("trust_clamp", "weight_norm_clamp"):
+        if getattr(args, option, None) is not None:
+            options[option] = getattr(args, option)
+    if getattr(args, "no_bias_correction", False):
+        options["bias_correction"] = False
+    for option in ("always_adapt", "adapt_no_wd"):
+        if getattr(args, option, False):
+            options[option] = True
+    for option in options:
+        if not optimizer_accepts(args.optimizer, option):
+            raise ValueError(
+                f"{_OPTIMIZER_OPTION_FLAGS[option]} is not an option of --optimizer "
+                f"{args.optimizer}; drop it or pick an optimizer that takes it (lamb, lans)"
+            )
+    return OptimizerConfig(
+        name=args.optimizer,
         lr=args.lr,
         weight_decay=args.wd,
         momentum=args.momentum,
         no_wd=bool(args.no_wd),
         betas=(args.beta1, args.beta2),
+        eps=args.epsilon,
+        options=options,
     )
-    if args.epsilon is not None:
-        kwargs["eps"] = args.epsilon
-    given: dict[str, tuple[str, Any]] = {}
-    max_grad_norm = getattr(args, "max_grad_norm", None)
-    if max_grad_norm is not None:
-        given["max_grad_norm"] = ("--max-grad-norm", max_grad_norm if max_grad_norm > 0 else None)
-    for option, flag in (
-        ("trust_clamp", "--trust-clamp"),
-        ("weight_norm_clamp", "--weight-norm-clamp"),
-    ):
-        if getattr(args, option, None) is not None:
-            given[option] = (flag, getattr(args, option))
-    if getattr(args, "no_bias_correction", False):
-        given["bias_correction"] = ("--no-bias-correction", False)
-    for option in ("always_adapt", "adapt_no_wd"):
-        if getattr(args, option, False):
-            given[option] = ("--" + option.replace("_", "-"), True)
-    for option, (flag, value) in given.items():
-        if not optimizer_accepts(args.optimizer, option):
-            raise ValueError(
-                f"{flag} is not an option of --optimizer {args.optimizer}; drop it or pick an "
-                "optimizer that takes it (lamb, lans)"
-            )
-        kwargs[option] = value
-    return kwargs
+
+
+def optimizer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments for :func:`trainers.optim.create_optimizer` from parsed flags."""
+    return optimizer_config(args).kwargs()
 
 
 def build_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
-    return create_optimizer(args.optimizer, model, **optimizer_kwargs(args))
+    config = optimizer_config(args)
+    return create_optimizer(config.name, model, **config.kwargs())
 
 
 def add_schedule_args(parser: argparse.ArgumentParser, *, default: str = "cosine") -> None:
@@ -211,219 +193,152 @@ def add_schedule_args(parser: argparse.ArgumentParser, *, default: str = "cosine
     g.add_argument("--final-lr", type=float, default=0.0, help="lr at the end (cosine/poly/linear)")
 
 
-def build_schedule(args: argparse.Namespace, *, steps_per_epoch: int, epochs: int) -> LRSchedule:
+def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
+    """The :class:`ScheduleConfig` of parsed :func:`add_schedule_args` flags."""
     decay = tuple(int(e) for e in args.lr_decay_epoch.split(",") if e.strip())
-    return create_schedule(
-        args.lr_mode,
+    return ScheduleConfig(
+        mode=args.lr_mode,
         base_lr=args.lr,
-        total_steps=steps_per_epoch * epochs,
-        warmup_steps=round(steps_per_epoch * (args.warmup_epochs or 0)),
+        warmup_epochs=float(args.warmup_epochs or 0),
         warmup_lr=args.warmup_lr,
-        steps_per_epoch=steps_per_epoch,
-        decay_epochs=decay if args.lr_mode == "step" else (),
+        decay_epochs=decay,
         decay_factor=args.lr_decay,
         power=args.lr_decay_power,
         final_lr=args.final_lr,
-        constant_steps=round(steps_per_epoch * args.const_epochs),
+        const_epochs=args.const_epochs,
     )
 
 
+def build_schedule(args: argparse.Namespace, *, steps_per_epoch: int, epochs: int) -> LRSchedule:
+    return schedule_config(args).build(steps_per_epoch=steps_per_epoch, epochs=epochs)
+
+
+@dataclasses.dataclass
+class _CombinerFlag:
+    """One command-line flag and the combiner options it sets (several modes may share it)."""
+
+    flag: str
+    dest: str
+    kind: type
+    choices: list[str] | None
+    takers: list[tuple[str, dataclasses.Field[Any]]]  # (mode, options field)
+
+
+def _scalar(annotation: Any) -> type:
+    """``int`` of ``int | None`` and so on: the argparse type of an options field."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and args:
+        for t in (bool, int, float, str):
+            if t in args:
+                return t
+    if annotation in (bool, int, float, str):
+        return annotation
+    raise TypeError(f"options field of type {annotation!r} has no command-line form")
+
+
+def combiner_flags() -> dict[str, _CombinerFlag]:
+    """Every registered combiner's options, by flag (``--local-steps``: localsgd, slowmo...)."""
+    flags: dict[str, _CombinerFlag] = {}
+    for mode in list_combiners():
+        options = combiner_class(mode).Options
+        hints = typing.get_type_hints(options)
+        for f in dataclasses.fields(options):
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            kind = _scalar(hints[f.name])
+            choices = f.metadata.get("choices")
+            choices = list(choices() if callable(choices) else choices) if choices else None
+            entry = flags.setdefault(
+                flag, _CombinerFlag(flag, flag[2:].replace("-", "_"), kind, choices, [])
+            )
+            if entry.kind is not kind or entry.choices != choices:
+                raise TypeError(
+                    f"{flag} means {entry.kind.__name__} {entry.choices or ''} for "
+                    f"{entry.takers[0][0]} but {kind.__name__} {choices or ''} for {mode}"
+                )
+            entry.takers.append((mode, f))
+    return flags
+
+
+def _flag_help(entry: _CombinerFlag) -> str:
+    parts: dict[str, list[str]] = {}  # help text (with default) -> modes
+    for mode, f in entry.takers:
+        default = f.default
+        text = f.metadata.get("help", "")
+        if default is not None and not isinstance(default, bool):
+            text += f" (default {default})"
+        parts.setdefault(text, []).append(mode)
+    return "; ".join(f"{' / '.join(modes)}: {text}" for text, modes in parts.items())
+
+
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
-    """How the ranks' gradients are combined (launch with ``torchrun`` for several ranks)."""
-    g = parser.add_argument_group("distributed (launch with torchrun)")
+    """``--grad-combine`` (the registered modes) and every mode's options as flags.
+
+    Flags, types, help texts and defaults come from the combiners' options dataclasses
+    (:mod:`trainers.comm`); launch with ``torchrun`` for several ranks.
+    """
+    g = parser.add_argument_group("distributed (launch with torchrun; docs/communication.md)")
     g.add_argument(
         "--grad-combine",
         type=str.lower,
         default="average",
-        choices=GRAD_COMBINE_CHOICES,
-        help="how workers combine gradients: average (DistributedDataParallel), adasum "
-        "(adaptive summation; keep the single-worker learning rate, see docs/adasum.md), "
-        "ef (a --compressor with error feedback), cser (compression with error reset), "
-        "powersgd / fp16 / bf16 (PyTorch's DDP communication hooks), localsgd (post-local "
-        "SGD), slowmo, local-adaalter; see docs/communication.md",
+        choices=list_combiners(),
+        help="how workers combine their work: "
+        + ", ".join(f"{m} ({combiner_class(m).summary})" for m in list_combiners()),
     )
-    g.add_argument(
-        "--adasum-mode",
-        type=str.lower,
-        default=None,
-        choices=ADASUM_MODES,
-        help="adasum: combine optimizer updates (delta) or gradients (gradient); auto (default): "
-        "gradient for sgd/nag, delta for adaptive optimizers (adam, adamw, lamb, lans, ...)",
-    )
-    g.add_argument(
-        "--adasum-hierarchical",
-        action="store_true",
-        help="adasum: average inside each node, Adasum across nodes (needs >= 2 nodes)",
-    )
-    c = parser.add_argument_group("communication-efficient modes (docs/communication.md)")
-    c.add_argument(
-        "--compressor",
-        type=str.lower,
-        default=None,
-        choices=list(COMPRESSORS),
-        help="ef/cser: the compressor (default topk)",
-    )
-    c.add_argument(
-        "--compress-ratio",
-        type=float,
-        default=None,
-        help="topk/randblock: fraction of the entries sent (default 0.01)",
-    )
-    c.add_argument(
-        "--qsgd-levels",
-        type=int,
-        default=None,
-        help="qsgd: levels s (default: the most for which the sum of all workers fits int8)",
-    )
-    c.add_argument("--qsgd-bucket", type=int, default=None, help="qsgd: elements per norm (512)")
-    c.add_argument("--cser-period", type=int, default=None, help="cser: error-reset period H (8)")
-    c.add_argument(
-        "--cser-reset-compressor",
-        type=str.lower,
-        default=None,
-        choices=list(COMPRESSORS),
-        help="cser: compressor C2 of the error reset (default none: an exact reset)",
-    )
-    c.add_argument("--powersgd-rank", type=int, default=None, help="powersgd: rank (default 2)")
-    c.add_argument(
-        "--powersgd-start-iter",
-        type=int,
-        default=None,
-        help="powersgd: plain all-reduce before this step (default 10; >= 2)",
-    )
-    c.add_argument(
-        "--local-steps",
-        type=int,
-        default=None,
-        help="localsgd/local-adaalter: steps between model averagings (8); slowmo: base "
-        "local-SGD period (3)",
-    )
-    c.add_argument(
-        "--localsgd-warmup-steps",
-        type=int,
-        default=None,
-        help="localsgd: synchronous gradient averaging for the first N steps (post-local SGD; 0)",
-    )
-    c.add_argument(
-        "--slowmo-period", type=int, default=None, help="slowmo: steps between slow updates (48)"
-    )
-    c.add_argument("--slowmo-momentum", type=float, default=None, help="slowmo: b (0.5)")
-    c.add_argument("--slowmo-lr", type=float, default=None, help="slowmo: slow lr alpha (1.0)")
-    c.add_argument("--adaalter-eps", type=float, default=None, help="local-adaalter: epsilon (1.0)")
-
-
-def build_combiner(args: argparse.Namespace, env: DistEnv) -> GradCombiner:
-    adasum_flags = [
-        flag
-        for flag, given in (
-            ("--adasum-mode", getattr(args, "adasum_mode", None) is not None),
-            ("--adasum-hierarchical", getattr(args, "adasum_hierarchical", False)),
-        )
-        if given
-    ]
-    if args.grad_combine == "average":
-        if adasum_flags:
-            raise ValueError(
-                f"{' and '.join(adasum_flags)} only apply with --grad-combine adasum "
-                "(this run averages gradients)"
+    for entry in combiner_flags().values():
+        if entry.kind is bool:
+            g.add_argument(
+                entry.flag,
+                dest=entry.dest,
+                action="store_true",
+                default=None,
+                help=_flag_help(entry),
             )
-        _check_comm_flags(args)
-        return AverageCombiner()
-    if args.grad_combine == "adasum":
-        _check_comm_flags(args)
-        mode = resolve_adasum_mode(args.adasum_mode or "auto", getattr(args, "optimizer", None))
-        combiner = AdasumDeltaCombiner if mode == "delta" else AdasumGradCombiner
-        return combiner(hierarchical=args.adasum_hierarchical)
-    if args.grad_combine in GRAD_COMBINE_CHOICES:
-        if adasum_flags:
-            raise ValueError(
-                f"{' and '.join(adasum_flags)} only apply with --grad-combine adasum "
-                f"(this run uses --grad-combine {args.grad_combine})"
+        else:
+            g.add_argument(
+                entry.flag,
+                dest=entry.dest,
+                type=str.lower if entry.kind is str else entry.kind,
+                default=None,
+                choices=entry.choices,
+                help=_flag_help(entry),
             )
-        return _build_comm_combiner(args)
-    raise ValueError(f"--grad-combine {args.grad_combine!r}: choose one of {GRAD_COMBINE_CHOICES}")
 
 
-def _check_comm_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The communication flags given (not None); an error for one the mode does not take."""
+def combiner_config(args: argparse.Namespace) -> CombinerConfig:
+    """The :class:`CombinerConfig` of parsed :func:`add_distributed_args` flags.
+
+    Raises:
+        ValueError: a flag of another mode, or an invalid option value (naming the flag).
+    """
     mode = args.grad_combine
+    cls = combiner_class(mode)
     given: dict[str, Any] = {}
-    for dest, flag, modes in _COMM_FLAGS:
-        value = getattr(args, dest, None)
+    flag_of: dict[str, str] = {}
+    for entry in combiner_flags().values():
+        value = getattr(args, entry.dest, None)
         if value is None:
             continue
-        if mode not in modes:
+        field = next((f for m, f in entry.takers if m == cls.name), None)
+        if field is None:
+            modes = " / ".join(m for m, _ in entry.takers)
             raise ValueError(
-                f"{flag} only applies with --grad-combine {' / '.join(modes)}, not with "
+                f"{entry.flag} only applies with --grad-combine {modes}, not with "
                 f"--grad-combine {mode}; drop it or change the mode"
             )
-        given[dest] = value
-    return given
+        given[field.name] = value
+        flag_of[field.name] = entry.flag
+    try:
+        options = cls.Options(**given)
+    except ValueError as e:
+        flags = ", ".join(f"{flag_of[k]} sets {k}" for k in given)
+        raise ValueError(f"--grad-combine {mode}: {e}" + (f" ({flags})" if flags else "")) from e
+    return CombinerConfig(cls.name, options)
 
 
-def _compressor(name: str, given: dict[str, Any], flag: str) -> Compressor:
-    for dest, option, takers in (
-        ("compress_ratio", "--compress-ratio", ("topk", "randblock")),
-        ("qsgd_levels", "--qsgd-levels", ("qsgd",)),
-        ("qsgd_bucket", "--qsgd-bucket", ("qsgd",)),
-    ):
-        if dest in given and name not in takers:
-            raise ValueError(
-                f"{option} only applies to {flag} {' / '.join(takers)}, not {name}; drop it"
-            )
-    return create_compressor(
-        name,
-        ratio=given.get("compress_ratio", 0.01),
-        levels=given.get("qsgd_levels"),
-        bucket_size=given.get("qsgd_bucket", 512),
-    )
-
-
-def _build_comm_combiner(args: argparse.Namespace) -> GradCombiner:
-    """The combiner of a communication-efficient ``--grad-combine`` mode."""
-    given = _check_comm_flags(args)
-    mode = args.grad_combine
-    seed = int(getattr(args, "seed", 0) or 0)
-    if mode in ("ef", "cser"):
-        compressor = _compressor(given.get("compressor", "topk"), given, "--compressor")
-        if mode == "ef":
-            return ErrorFeedbackCombiner(compressor, seed=seed)
-        reset = create_compressor(given.get("cser_reset_compressor", "none"))
-        return CSERCombiner(
-            compressor, period=given.get("cser_period", 8), reset_compressor=reset, seed=seed
-        )
-    if mode in DDP_HOOKS:
-        return DDPHookCombiner(
-            mode,
-            rank=given.get("powersgd_rank", 2),
-            start_iter=given.get("powersgd_start_iter", 10),
-            seed=seed,
-        )
-    if mode == "localsgd":
-        return LocalSGDCombiner(
-            period=given.get("local_steps", 8),
-            warmup_steps=given.get("localsgd_warmup_steps", 0),
-        )
-    if mode == "slowmo":
-        return SlowMoCombiner(
-            period=given.get("local_steps", 3),
-            slow_period=given.get("slowmo_period", 48),
-            slow_momentum=given.get("slowmo_momentum", 0.5),
-            slow_lr=given.get("slowmo_lr", 1.0),
-        )
-    if mode == "local-adaalter":
-        optimizer = getattr(args, "optimizer", "sgd")
-        if optimizer != "sgd" or getattr(args, "momentum", 0.0):
-            raise ValueError(
-                "--grad-combine local-adaalter applies AdaAlter's own update (AdaGrad with a "
-                "lagging denominator) with the optimizer's lr and weight decay; pass "
-                f"--optimizer sgd --momentum 0 (got --optimizer {optimizer} --momentum "
-                f"{getattr(args, 'momentum', None)})"
-            )
-        return LocalAdaAlterCombiner(
-            period=given.get("local_steps", 8), eps=given.get("adaalter_eps", 1.0)
-        )
-    raise ValueError(f"--grad-combine {mode!r}: choose one of {', '.join(GRAD_COMBINE_CHOICES)}")
+def build_combiner(args: argparse.Namespace, env: DistEnv | None = None) -> GradCombiner:
+    """The combiner of parsed flags, seeded with ``--seed`` (``env`` is not needed)."""
+    return create_combiner(combiner_config(args), seed=int(getattr(args, "seed", 0) or 0))
 
 
 # ---- elastic training (trainers/elastic.py) -------------------------------------------------
@@ -483,20 +398,55 @@ def elastic_resuming(args: argparse.Namespace, run_log: str | None, *, is_main: 
     return True
 
 
-def build_elastic(args: argparse.Namespace, trainer: Any) -> Any:
-    """An :class:`~trainers.elastic.ElasticState` for ``trainer`` (None without --elastic-dir)."""
-    from .elastic import ElasticState
-
+def elastic_config(args: argparse.Namespace) -> ElasticConfig | None:
+    """The :class:`ElasticConfig` of parsed :func:`add_elastic_args` flags (None without
+    ``--elastic-dir``); ``--elastic-lr-scaling auto`` is ``none`` with Adasum, else linear."""
     if getattr(args, "elastic_dir", None) is None:
         return None
     scaling = args.elastic_lr_scaling
     if scaling == "auto":
         scaling = "none" if getattr(args, "grad_combine", "average") == "adasum" else "linear"
-    return ElasticState(
-        trainer,
-        args.elastic_dir,
+    return ElasticConfig(
+        dir=args.elastic_dir,
         checkpoint_steps=args.elastic_checkpoint_steps,
         ramp_steps=args.elastic_ramp_steps,
         lr_scaling=scaling,
         ledger=not args.no_elastic_ledger,
     )
+
+
+def build_elastic(args: argparse.Namespace, trainer: Any) -> Any:
+    """An :class:`~trainers.elastic.ElasticState` for ``trainer`` (None without --elastic-dir)."""
+    from .elastic import ElasticState
+
+    config = elastic_config(args)
+    if config is None:
+        return None
+    return ElasticState(
+        trainer,
+        config.dir,
+        checkpoint_steps=config.checkpoint_steps,
+        ramp_steps=config.ramp_steps,
+        lr_scaling=config.lr_scaling,
+        ledger=config.ledger,
+    )
+
+
+def run_configs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
+    """The typed configs of every flag group the script added, for the run-log header.
+
+    ``optimizer`` (with :func:`add_optimizer_args`), ``schedule`` (:func:`add_schedule_args`),
+    ``combiner`` (:func:`add_distributed_args`), ``elastic`` (with ``--elastic-dir``), plus
+    ``more`` (e.g. ``run=TrainerConfig(...)``).
+    """
+    configs: dict[str, Any] = {}
+    if hasattr(args, "optimizer") and hasattr(args, "beta1"):
+        configs["optimizer"] = optimizer_config(args)
+    if hasattr(args, "lr_mode"):
+        configs["schedule"] = schedule_config(args)
+    if hasattr(args, "grad_combine"):
+        configs["combiner"] = combiner_config(args)
+    if hasattr(args, "elastic_dir"):
+        configs["elastic"] = elastic_config(args)
+    configs.update(more)
+    return {k: v for k, v in configs.items() if v is not None}

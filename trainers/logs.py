@@ -281,7 +281,12 @@ def machine_fingerprint(world_size: int = 1) -> dict[str, Any]:
 
 
 def make_header(
-    command: Sequence[str], seed: int, world_size: int, config: Any = None
+    command: Sequence[str],
+    seed: int,
+    world_size: int,
+    config: Any = None,
+    *,
+    configs: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``header`` record of docs/run_logs.md.
 
@@ -290,9 +295,13 @@ def make_header(
         seed: the run seed.
         world_size: number of ranks.
         config: all parsed flags (``argparse.Namespace``, dataclass or mapping).
+        configs: the typed configs of the run by name (:mod:`trainers.config`; e.g.
+            :func:`trainers.cli.run_configs`), recorded as plain JSON under ``"configs"``.
     """
+    from .config import configs_record
+
     fingerprint = machine_fingerprint(world_size)
-    return {
+    header = {
         "kind": "header",
         "command": _relative_command(command),
         "seed": int(seed),
@@ -302,6 +311,9 @@ def make_header(
         "config": _config_dict(config),
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if configs:
+        header["configs"] = configs_record(**configs)
+    return header
 
 
 # -- progress bar -----------------------------------------------------------------------------

@@ -61,7 +61,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .combine import AverageCombiner, GradCombiner
+from .comm import AverageCombiner, GradCombiner
 from .data import SeededDataset, ShardedSampler, derive_seed
 from .dist import DistEnv
 from .logs import RunLogger, progress_bar
@@ -257,7 +257,9 @@ class Trainer:
             model.to(memory_format=torch.channels_last)
         self.model = model  # the bare module: evaluation, checkpoints
         self.combiner = combiner if combiner is not None else AverageCombiner()
-        self.forward_model = self.combiner.prepare(model, self.env)  # what train_step gets
+        self.forward_model = self.combiner.prepare(
+            model, optimizer, self.env
+        )  # what train_step gets
 
         self.autocast_dtype = _PRECISIONS[config.precision]
         self.scaler = (

@@ -22,8 +22,8 @@ from torch.utils.data import TensorDataset
 
 from tests.trainers._trainer_toys import ToyDataset, eval_step, lr_fn, make_mlp, train_step
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
-from trainers import adasum as adasum_module
-from trainers.adasum import AdasumDeltaCombiner, AdasumGradCombiner, adasum_allreduce_
+from trainers.comm.adasum import AdasumCombiner, adasum_allreduce_
+from trainers.comm.adasum import allreduce as adasum_module
 
 SHAPES = [(7,), (3, 5), (64, 3, 3, 3), (1,), (1000,), (33, 17), (0,), (4, 1, 1), (20000,)]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -187,7 +187,7 @@ def world3(rank: int) -> dict:
         logger=RunLogger(None, enabled=False),
         lr_schedule=lr_fn,
         train_step=train_step,
-        combiner=AdasumGradCombiner(),
+        combiner=AdasumCombiner(mode="gradient"),
     )
     trainer.fit(ToyDataset(48))
     res["grad_mode_params"] = [p.detach().clone() for p in model.parameters()]
@@ -198,8 +198,8 @@ def world2(rank: int, out: Path) -> dict:
     res: dict = {"random": allreduce_random(rank)}
     env = DistEnv.from_env(device="cpu")
     res["digits"] = {
-        "gradient": digits_fit(env, "gradient", AdasumGradCombiner()),
-        "delta": digits_fit(env, "delta", AdasumDeltaCombiner()),
+        "gradient": digits_fit(env, "gradient", AdasumCombiner(mode="gradient")),
+        "delta": digits_fit(env, "delta", AdasumCombiner(mode="delta")),
     }
     # Delta mode resumes bit-for-bit: every rank gets its own Adam moments back.
     res["resume"] = {}
@@ -215,7 +215,7 @@ def world2(rank: int, out: Path) -> dict:
             env=env,
             logger=RunLogger(None, enabled=False),
             train_step=train_step,
-            combiner=AdasumDeltaCombiner(),
+            combiner=AdasumCombiner(mode="delta"),
         )  # fmt: skip
         if resume:
             trainer.resume(out / "ckpt_straight" / "epoch0.pt")

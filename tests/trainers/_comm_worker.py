@@ -22,18 +22,20 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from tests.trainers._adasum_worker import digits_sets
 from tests.trainers._trainer_toys import ToyDataset, eval_step, lr_fn, make_mlp, train_step
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
-from trainers.combine import AverageCombiner
-from trainers.compress import (
+from trainers.comm import (
     QSGD,
+    AverageCombiner,
     CSERCombiner,
-    DDPHookCombiner,
     ErrorFeedbackCombiner,
     Identity,
+    LocalAdaAlterCombiner,
+    LocalSGDCombiner,
+    PowerSGDCombiner,
+    SlowMoCombiner,
     TopK,
     compressed_allreduce,
 )
 from trainers.data import ShardedSampler
-from trainers.localsgd import LocalAdaAlterCombiner, LocalSGDCombiner, SlowMoCombiner
 
 N, BATCH, EPOCHS, SEED = 48, 4, 2, 5  # 2 ranks x 4 = global batch 8: 12 steps
 
@@ -139,6 +141,51 @@ def reference_adaalter(rank: int, period: int, eps: float):
 
 
 # -- the stages -----------------------------------------------------------------------------------
+RESUMABLE = ("cser", "localsgd", "slowmo", "local-adaalter", "adasum-delta")
+
+
+def resumed_vs_straight(env, mode: str, tmp: Path) -> tuple[list, list]:
+    """Parameters after 2 epochs straight and after 1 epoch + checkpoint + resume + 1."""
+    from trainers import create_combiner
+
+    def make(epochs: int):
+        model = make_mlp(seed=0)
+        if mode == "adasum-delta":  # per-rank Adam moments
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+            combiner = create_combiner("adasum", mode="delta")
+        else:
+            momentum = 0.0 if mode == "local-adaalter" else 0.9
+            opt = torch.optim.SGD(model.parameters(), lr=lr_fn(0), momentum=momentum)
+            options = {"period": 3} if mode != "slowmo" else {"period": 2, "slow_period": 5}
+            combiner = create_combiner(mode, seed=SEED, **options)
+        return Trainer(
+            model,
+            opt,
+            TrainerConfig(
+                epochs=epochs, batch_size=BATCH, seed=SEED, log_interval=0, progress=False
+            ),
+            env=env,
+            logger=RunLogger(None, enabled=False),
+            lr_schedule=lr_fn,
+            train_step=train_step,
+            combiner=combiner,
+        )
+
+    straight = make(2)
+    straight.fit(ToyDataset(N, noise=0.1))
+    first = make(1)
+    first.fit(ToyDataset(N, noise=0.1))
+    path = tmp / f"{mode}.pt"
+    first.save_checkpoint(path)  # a collective; rank 0 writes every rank's state
+    resumed = make(2)
+    resumed.resume(path)
+    resumed.fit(ToyDataset(N, noise=0.1))
+    return (
+        [p.detach().clone() for p in straight.model.parameters()],
+        [p.detach().clone() for p in resumed.model.parameters()],
+    )
+
+
 def digits_accuracy(env, combiner, momentum: float, lr: float) -> float:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
@@ -164,14 +211,17 @@ def main(out: Path) -> None:
         rank = env.rank
         res: dict = {}
         # Identity compression / period 1: synchronous momentum SGD.
-        res["cser_identity_h1"] = fit(env, CSERCombiner(Identity(), period=1))[1]
-        res["ef_identity"] = fit(env, ErrorFeedbackCombiner(Identity()))[1]
+        res["cser_identity_h1"] = fit(env, CSERCombiner(compressor=Identity(), period=1))[1]
+        res["ef_identity"] = fit(env, ErrorFeedbackCombiner(compressor=Identity()))[1]
         res["localsgd_h1"] = fit(env, LocalSGDCombiner(period=1))[1]
 
         # CSER with top-k and an exact reset every 3 steps.
         rec = Recorder()
         trainer, _ = fit(
-            env, CSERCombiner(TopK(ratio=0.2), period=3), hooks=[rec], eval_data=ToyDataset(10)
+            env,
+            CSERCombiner(compressor=TopK(ratio=0.2), period=3),
+            hooks=[rec],
+            eval_data=ToyDataset(10),
         )
         res["cser_topk"] = {
             "params": rec.params,
@@ -181,7 +231,7 @@ def main(out: Path) -> None:
             "metrics": trainer.combiner.counter.total_bytes,
         }
         rec = Recorder()
-        fit(env, ErrorFeedbackCombiner(TopK(ratio=0.2)), hooks=[rec])
+        fit(env, ErrorFeedbackCombiner(compressor=TopK(ratio=0.2)), hooks=[rec])
         res["ef_topk"] = rec.params
 
         # Periodic averaging, SlowMo, Local AdaAlter against the references.
@@ -198,7 +248,7 @@ def main(out: Path) -> None:
         res["ref_adaalter"] = reference_adaalter(rank, 3, 0.5)
 
         # PowerSGD through the combiner vs PyTorch's hook registered on DDP by hand.
-        res["powersgd"] = fit(env, DDPHookCombiner("powersgd", rank=1, start_iter=2))[1]
+        res["powersgd"] = fit(env, PowerSGDCombiner(rank=1, start_iter=2))[1]
         plain = AverageCombiner()
         model = make_mlp(seed=0)
         opt = torch.optim.SGD(model.parameters(), lr=lr_fn(0), momentum=0.9, weight_decay=1e-3)
@@ -225,14 +275,17 @@ def main(out: Path) -> None:
         dist.all_gather(owns, own)
         res["qsgd"] = {"mean": mean, "owns": owns, "sent": sent}
 
+        # Resuming a checkpoint continues bit-for-bit (each rank's own state given back).
+        res["resume"] = {mode: resumed_vs_straight(env, mode, out) for mode in RESUMABLE}
+
         # The digits: every mode reaches the stated accuracy (a small MLP, 6 epochs).
         res["digits"] = {
             name: digits_accuracy(env, combiner, momentum, lr)
             for name, combiner, momentum, lr in (
-                ("ef-topk", ErrorFeedbackCombiner(TopK(ratio=0.05)), 0.9, 0.05),
-                ("ef-qsgd", ErrorFeedbackCombiner(QSGD()), 0.9, 0.05),
-                ("cser", CSERCombiner(TopK(ratio=0.05), period=8), 0.9, 0.05),
-                ("powersgd", DDPHookCombiner("powersgd", rank=2, start_iter=2), 0.9, 0.05),
+                ("ef-topk", ErrorFeedbackCombiner(compressor=TopK(ratio=0.05)), 0.9, 0.05),
+                ("ef-qsgd", ErrorFeedbackCombiner(compressor=QSGD()), 0.9, 0.05),
+                ("cser", CSERCombiner(compressor=TopK(ratio=0.05), period=8), 0.9, 0.05),
+                ("powersgd", PowerSGDCombiner(rank=2, start_iter=2), 0.9, 0.05),
                 ("localsgd", LocalSGDCombiner(period=8), 0.9, 0.05),
                 ("slowmo", SlowMoCombiner(period=3, slow_period=12), 0.9, 0.05),
                 ("local-adaalter", LocalAdaAlterCombiner(period=8), 0.0, 0.5),

@@ -21,16 +21,15 @@ import torch
 
 from tests.trainers._trainer_toys import ToyDataset, lr_fn, make_mlp, train_step
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
-from trainers import adasum as adasum_module
-from trainers.adasum import (
-    AdasumDeltaCombiner,
-    AdasumGradCombiner,
+from trainers.cli import add_distributed_args, add_optimizer_args, build_combiner, build_optimizer
+from trainers.comm import GradCombiner
+from trainers.comm.adasum import (
+    AdasumCombiner,
     adasum_allreduce_,
     adasum_pair,
-    resolve_adasum_mode,
 )
-from trainers.cli import add_distributed_args, add_optimizer_args, build_combiner
-from trainers.combine import GradCombiner
+from trainers.comm.adasum import allreduce as adasum_module
+from trainers.comm.adasum import combiners as adasum_combiners
 from trainers.optim import create_optimizer, list_optimizers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -218,27 +217,27 @@ def _fit(combiner: GradCombiner, optimizer: str, precision: str = "fp32") -> lis
 @pytest.mark.parametrize("optimizer", list_optimizers())
 def test_delta_mode_with_one_rank_is_the_plain_optimizer(optimizer):
     plain = _fit(GradCombiner(), optimizer)
-    for got, want in zip(_fit(AdasumDeltaCombiner(), optimizer), plain, strict=True):
+    for got, want in zip(_fit(AdasumCombiner(mode="delta"), optimizer), plain, strict=True):
         assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "nag"])
 def test_gradient_mode_with_one_rank_is_plain_sgd(optimizer):
     plain = _fit(GradCombiner(), optimizer)
-    for got, want in zip(_fit(AdasumGradCombiner(), optimizer), plain, strict=True):
+    for got, want in zip(_fit(AdasumCombiner(mode="gradient"), optimizer), plain, strict=True):
         assert torch.equal(got, want)
 
 
 def test_gradient_mode_scales_the_guard_with_the_fp16_loss_scale(monkeypatch):
     """Scaled gradients combine like unscaled ones: eps grows with the square of the scale."""
     seen = {}
-    monkeypatch.setattr(adasum_module.dist, "all_reduce", lambda *args, **kwargs: None)
+    monkeypatch.setattr(adasum_combiners.dist, "all_reduce", lambda *args, **kwargs: None)
     monkeypatch.setattr(
-        adasum_module,
+        adasum_combiners,
         "adasum_allreduce_",
         lambda tensors, **kwargs: seen.update(n=len(tensors), **kwargs),
     )
-    combiner = AdasumGradCombiner()
+    combiner = AdasumCombiner(mode="gradient")
     combiner.model, combiner.env = make_mlp(), DistEnv(rank=0, world_size=2)
     for p in combiner.model.parameters():
         p.grad = torch.ones_like(p)
@@ -250,37 +249,43 @@ def test_gradient_mode_scales_the_guard_with_the_fp16_loss_scale(monkeypatch):
 
 def test_hierarchical_on_one_node_raises_instead_of_averaging():
     env = DistEnv(rank=0, world_size=4, local_world_size=4)  # no collective runs before the check
-    for combiner in (AdasumGradCombiner(hierarchical=True), AdasumDeltaCombiner(hierarchical=True)):
+    for mode in ("gradient", "delta"):
+        combiner = AdasumCombiner(mode=mode, hierarchical=True)
+        model = make_mlp()
         with pytest.raises(ValueError, match="single node"):
-            combiner.prepare(make_mlp(), env)
+            combiner.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), env)
 
 
 # ================================================================================================
 # command line
 # ================================================================================================
 def _combiner(*argv: str) -> GradCombiner:
+    """The combiner the flags build, prepared (one rank) with the optimizer they build."""
     parser = argparse.ArgumentParser()
     add_optimizer_args(parser)
     add_distributed_args(parser)
-    return build_combiner(parser.parse_args(list(argv)), DistEnv())
+    args = parser.parse_args(["--lr", "0.1", *argv])
+    model = make_mlp()
+    combiner = build_combiner(args, DistEnv())
+    combiner.prepare(model, build_optimizer(args, model), DistEnv())
+    return combiner
 
 
 def test_cli_picks_the_mode_from_the_optimizer():
-    assert isinstance(_combiner("--grad-combine", "adasum"), AdasumGradCombiner)  # nag
-    assert isinstance(_combiner("--grad-combine", "adasum", "--optimizer", "sgd"), AdasumGradCombiner)  # fmt: skip
-    assert isinstance(_combiner("--grad-combine", "adasum", "--optimizer", "adamw"), AdasumDeltaCombiner)  # fmt: skip
+    assert _combiner("--grad-combine", "adasum").mode == "gradient"  # nag
+    assert _combiner("--grad-combine", "adasum", "--optimizer", "sgd").mode == "gradient"
     for name in ("adam", "adamw", "lamb", "lans"):
-        assert resolve_adasum_mode("auto", name) == "delta"
+        assert _combiner("--grad-combine", "adasum", "--optimizer", name).mode == "delta"
     explicit = _combiner("--grad-combine", "adasum", "--adasum-mode", "delta", "--optimizer", "nag")
-    assert isinstance(explicit, AdasumDeltaCombiner)
+    assert isinstance(explicit, AdasumCombiner) and explicit.mode == "delta"
     hier = _combiner(
         "--grad-combine", "adasum", "--adasum-mode", "gradient", "--adasum-hierarchical"
     )
-    assert isinstance(hier, AdasumGradCombiner) and hier.hierarchical
+    assert hier.mode == "gradient" and hier.options.hierarchical
 
 
 def test_cli_rejects_adasum_flags_without_adasum():
-    with pytest.raises(ValueError, match="only apply with --grad-combine adasum"):
+    with pytest.raises(ValueError, match="only applies with --grad-combine adasum"):
         _combiner("--adasum-hierarchical")
     with pytest.raises(SystemExit):
         _combiner("--grad-combine", "adasum", "--adasum-mode", "sometimes")

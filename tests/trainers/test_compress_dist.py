@@ -38,6 +38,15 @@ def assert_same(a, b, atol=ATOL):
         torch.testing.assert_close(x, y, rtol=0, atol=atol)
 
 
+@pytest.mark.parametrize("mode", ["cser", "localsgd", "slowmo", "local-adaalter", "adasum-delta"])
+def test_resuming_on_two_ranks_is_bit_exact(ranks, mode):
+    """Each rank gets its own residuals, local model and optimizer moments back."""
+    for r in ranks:
+        straight, resumed = r["resume"][mode]
+        for a, b in zip(straight, resumed, strict=True):
+            assert torch.equal(a, b), mode
+
+
 @pytest.mark.parametrize("mode", ["cser_identity_h1", "ef_identity", "localsgd_h1"])
 def test_identity_compression_or_period_one_is_synchronous_momentum_sgd(
     ranks, synchronous_sgd, mode

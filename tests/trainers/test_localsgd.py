@@ -12,9 +12,16 @@ import torch.nn.functional as F
 
 from tests.trainers._trainer_toys import ToyDataset, lr_fn, make_mlp, params, train_step
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
-from trainers.compress import QSGD, CSERCombiner, ErrorFeedbackCombiner, TopK
+from trainers.comm import (
+    QSGD,
+    CSERCombiner,
+    ErrorFeedbackCombiner,
+    LocalAdaAlterCombiner,
+    LocalSGDCombiner,
+    SlowMoCombiner,
+    TopK,
+)
 from trainers.data import derive_seed
-from trainers.localsgd import LocalAdaAlterCombiner, LocalSGDCombiner, SlowMoCombiner
 
 
 def run(combiner, *, momentum=0.9, epochs=2, save_dir=None, resume=None, seed=3):
@@ -105,8 +112,8 @@ def test_local_adaalter_needs_plain_sgd():
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: CSERCombiner(TopK(ratio=0.3), period=4),
-        lambda: ErrorFeedbackCombiner(QSGD(levels=4, bucket_size=16)),
+        lambda: CSERCombiner(compressor=TopK(ratio=0.3), period=4),
+        lambda: ErrorFeedbackCombiner(compressor=QSGD(levels=4, bucket_size=16)),
         lambda: SlowMoCombiner(period=2, slow_period=3),
         lambda: LocalAdaAlterCombiner(period=3),
         lambda: LocalSGDCombiner(period=2),
@@ -124,7 +131,7 @@ def test_resumes_bit_for_bit(make, tmp_path):
 
 def test_cser_on_one_worker_keeps_the_update_split():
     """x = xbar + e, and the reset folds e back in: after a reset x is xbar."""
-    combiner = CSERCombiner(TopK(ratio=0.3), period=4)
+    combiner = CSERCombiner(compressor=TopK(ratio=0.3), period=4)
     trainer = run(combiner, epochs=1)  # 5 steps: a reset after step 4, then one more step
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
     torch.testing.assert_close(flat, combiner.synced + combiner.residual, rtol=0, atol=1e-6)

@@ -3,7 +3,7 @@
 Every worker steps its own model on its own data and the models are averaged every ``H``
 optimizer steps (``H = 1``: after every step, which for SGD with or without momentum is
 synchronous data-parallel SGD, momentum being linear in the gradient). Evaluation
-(:meth:`~trainers.combine.GradCombiner.synchronize`) averages the models first, so every
+(:meth:`~trainers.comm.GradCombiner.synchronize`) averages the models first, so every
 rank evaluates the same model.
 
 * :class:`LocalSGDCombiner` — post-local SGD (Lin et al., ICLR 2020): the first
@@ -37,57 +37,52 @@ Floating-point buffers (BatchNorm statistics) are averaged together with the mod
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
-from .combine import CommCounter, GradCombiner, broadcast_, model_tensors, restore_optimizer_state
-from .compress import average_buffers_
-from .dist import DistEnv
+from ..dist import DistEnv
+from .base import CommCounter, GradCombiner, option, register_combiner
+from .flat import (
+    allreduce_mean_,
+    average_buffers_,
+    average_models_,
+    broadcast_,
+    model_tensors,
+    restore_optimizer_state,
+)
 
-__all__ = ["LocalAdaAlterCombiner", "LocalSGDCombiner", "SlowMoCombiner", "average_models_"]
-
-
-def average_models_(model: nn.Module, env: DistEnv) -> int:
-    """Exactly average parameters and floating buffers over the workers; returns bytes sent."""
-    if not env.distributed:
-        return 0
-    params = [p for p in model.parameters()]
-    with torch.no_grad():
-        flat = torch.cat([p.detach().reshape(-1).float() for p in params])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat /= env.world_size
-        offset = 0
-        for p in params:
-            p.detach().copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-    return 4 * flat.numel() + average_buffers_(model, env)
+__all__ = [
+    "LocalAdaAlterCombiner",
+    "LocalAdaAlterOptions",
+    "LocalSGDCombiner",
+    "LocalSGDOptions",
+    "SlowMoCombiner",
+    "SlowMoOptions",
+]
 
 
-def _check_period(value: int, flag: str) -> int:
+def _check_period(value: int, name: str) -> None:
     if value < 1:
-        raise ValueError(f"{flag} must be >= 1 (optimizer steps between averagings), got {value}")
-    return int(value)
+        raise ValueError(f"{name} must be >= 1 (optimizer steps between averagings), got {value}")
 
 
 class _LocalCombiner(GradCombiner, abc.ABC):
     """Bare module, rank 0's start, per-rank state in checkpoints, byte counting."""
 
-    mode = "local"
-
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, options: Any = None, **kwargs: Any) -> None:
+        super().__init__(options, **kwargs)
         self.steps = 0
         self.counter = CommCounter()
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._pending: Any = None
 
-    def prepare(self, model: nn.Module, env: DistEnv) -> nn.Module:
-        super().prepare(model, env)
-        self.counter.grad_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
+    ) -> nn.Module:
+        super().prepare(model, optimizer, env)
+        self.counter.set_model(model)
         if env.distributed:
             broadcast_(model_tensors(model))
         return model
@@ -95,8 +90,8 @@ class _LocalCombiner(GradCombiner, abc.ABC):
     def reduce_gradients(self, scaler: torch.amp.GradScaler | None) -> None:
         if scaler is not None:
             raise ValueError(
-                f"--grad-combine {self.mode} steps local models whose fp16 loss scales would "
-                "differ between workers; train with --dtype bfloat16 or float32"
+                f"combiner {self.name!r} steps local models whose fp16 loss scales would "
+                "differ between workers; train in bfloat16 or float32 precision"
             )
 
     def _local_step(
@@ -105,9 +100,6 @@ class _LocalCombiner(GradCombiner, abc.ABC):
         super().step(optimizer, scaler)
 
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
-        self._optimizer = optimizer
-        restore_optimizer_state(optimizer, self._pending)
-        self._pending = None
         self._local_step(optimizer, scaler)
         self.steps += 1
         self._communicate(optimizer)
@@ -130,49 +122,57 @@ class _LocalCombiner(GradCombiner, abc.ABC):
         return self.counter.metrics()
 
     def state_dict(self) -> dict[str, Any]:
-        assert self.model is not None
-        state: dict[str, Any] = {
+        assert self.model is not None and self.optimizer is not None
+        return {
             "steps": self.steps,
             "params": [p.detach().clone() for p in self.model.parameters()],
             "buffers": [b.detach().clone() for b in self.model.buffers()],
+            "optimizer": self.optimizer.state_dict()["state"],
         }
-        if self._optimizer is not None:
-            state["optimizer"] = self._optimizer.state_dict()["state"]
-        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.steps = int(state_dict["steps"])
-        assert self.model is not None
+        assert self.model is not None and self.optimizer is not None
         with torch.no_grad():
             for t, saved in zip(self.model.parameters(), state_dict["params"], strict=True):
                 t.copy_(saved)
             for t, saved in zip(self.model.buffers(), state_dict["buffers"], strict=True):
                 t.copy_(saved)
-        self._pending = state_dict.get("optimizer")
+        restore_optimizer_state(self.optimizer, state_dict.get("optimizer"))
 
 
+@dataclass(frozen=True)
+class LocalSGDOptions:
+    period: int = option(8, "steps between model averagings H", flag="--local-steps")
+    warmup_steps: int = option(
+        0,
+        "synchronous gradient averaging for the first N steps (post-local SGD)",
+        flag="--localsgd-warmup-steps",
+    )
+
+    def __post_init__(self) -> None:
+        _check_period(self.period, "period")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+@register_combiner("localsgd", LocalSGDOptions)
 class LocalSGDCombiner(_LocalCombiner):
-    """(Post-)local SGD: average gradients for ``warmup_steps``, then models every ``period``.
+    """(Post-)local SGD: average gradients for ``warmup_steps``, then models every ``period``."""
 
-    Args:
-        period: ``H``, optimizer steps between model averagings.
-        warmup_steps: steps of synchronous gradient averaging first (post-local SGD; 0: local
-            SGD from the start).
-    """
+    summary = "(post-)local SGD: models averaged every --local-steps"
 
-    mode = "localsgd"
-
-    def __init__(self, *, period: int = 8, warmup_steps: int = 0) -> None:
-        super().__init__()
-        self.period = _check_period(period, "--local-steps")
-        if warmup_steps < 0:
-            raise ValueError(f"--localsgd-warmup-steps must be >= 0, got {warmup_steps}")
-        self.warmup_steps = int(warmup_steps)
+    def __init__(self, options: LocalSGDOptions | None = None, **kwargs: Any) -> None:
+        super().__init__(options, **kwargs)
+        self.period = self.options.period
+        self.warmup_steps = self.options.warmup_steps
         self.averager: PeriodicModelAverager | None = None  # needs the process group
         self._averager_step = 0
 
-    def prepare(self, model: nn.Module, env: DistEnv) -> nn.Module:
-        model = super().prepare(model, env)
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
+    ) -> nn.Module:
+        model = super().prepare(model, optimizer, env)
         if env.distributed:
             # PyTorch's averager averages at its calls warmup, warmup + period, ...; shifting
             # its warm-up by period - 1 averages after the steps warmup + period, + 2 period...
@@ -189,15 +189,7 @@ class LocalSGDCombiner(_LocalCombiner):
             return
         assert self.model is not None
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        with torch.no_grad():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            flat /= env.world_size
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-        self.counter.add(4 * flat.numel())
+        self.counter.add(allreduce_mean_(grads, env, dtype=None))
 
     def _local_step(self, optimizer, scaler) -> None:
         super()._local_step(optimizer, scaler)
@@ -231,41 +223,44 @@ class LocalSGDCombiner(_LocalCombiner):
             self.averager.step = self._averager_step
 
 
+@dataclass(frozen=True)
+class SlowMoOptions:
+    period: int = option(3, "base local-SGD averaging period (fairscale)", flag="--local-steps")
+    slow_period: int = option(
+        48, "steps between slow momentum updates (fairscale)", flag="--slowmo-period"
+    )
+    slow_momentum: float = option(0.5, "slow momentum b (fairscale)", flag="--slowmo-momentum")
+    slow_lr: float = option(1.0, "slow learning rate alpha (fairscale)", flag="--slowmo-lr")
+
+    def __post_init__(self) -> None:
+        _check_period(self.period, "period")
+        _check_period(self.slow_period, "slow_period")
+        if not 0.0 <= self.slow_momentum < 1.0:
+            raise ValueError(f"slow_momentum must be in [0, 1), got {self.slow_momentum}")
+        if self.slow_lr <= 0:
+            raise ValueError(f"slow_lr must be > 0, got {self.slow_lr}")
+
+
+@register_combiner("slowmo", SlowMoOptions)
 class SlowMoCombiner(_LocalCombiner):
     """SlowMo: local SGD averaging every ``period`` steps, a slow momentum step every
-    ``slow_period`` steps (see the module docstring).
+    ``slow_period`` steps (see the module docstring)."""
 
-    Args:
-        period: base local-SGD averaging period (fairscale: 3).
-        slow_period: steps between slow momentum updates (fairscale: 48).
-        slow_momentum: ``b`` (fairscale: 0.5).
-        slow_lr: ``alpha`` (fairscale: 1.0).
-    """
+    summary = "local SGD with a slow momentum step"
 
-    mode = "slowmo"
-
-    def __init__(
-        self,
-        *,
-        period: int = 3,
-        slow_period: int = 48,
-        slow_momentum: float = 0.5,
-        slow_lr: float = 1.0,
-    ) -> None:
-        super().__init__()
-        self.period = _check_period(period, "--local-steps")
-        self.slow_period = _check_period(slow_period, "--slowmo-period")
-        if not 0.0 <= slow_momentum < 1.0:
-            raise ValueError(f"--slowmo-momentum must be in [0, 1), got {slow_momentum}")
-        if slow_lr <= 0:
-            raise ValueError(f"--slowmo-lr must be > 0, got {slow_lr}")
-        self.slow_momentum = float(slow_momentum)
-        self.slow_lr = float(slow_lr)
+    def __init__(self, options: SlowMoOptions | None = None, **kwargs: Any) -> None:
+        super().__init__(options, **kwargs)
+        self.period = self.options.period
+        self.slow_period = self.options.slow_period
+        self.slow_momentum = float(self.options.slow_momentum)
+        self.slow_lr = float(self.options.slow_lr)
         self.anchor: list[Tensor] | None = None  # x0: the model of the last slow step
         self.buffer: list[Tensor] | None = None
 
-    def prepare(self, model: nn.Module, env: DistEnv) -> nn.Module:
-        model = super().prepare(model, env)
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
+    ) -> nn.Module:
+        model = super().prepare(model, optimizer, env)
         self.anchor = [p.detach().clone() for p in model.parameters()]
         self.buffer = [torch.zeros_like(p) for p in self.anchor]
         return model
@@ -303,44 +298,60 @@ class SlowMoCombiner(_LocalCombiner):
         self.buffer = [t.clone() for t in state_dict["slow_buffer"]]
 
 
+@dataclass(frozen=True)
+class LocalAdaAlterOptions:
+    period: int = option(
+        8, "steps between synchronisations of models and accumulators H", flag="--local-steps"
+    )
+    eps: float = option(
+        1.0, "epsilon of the denominator (added as s * eps^2)", flag="--adaalter-eps"
+    )
+    initial_accumulator: float = option(
+        0.0, "starting value of the accumulators A and D", flag="--adaalter-initial-accumulator"
+    )
+
+    def __post_init__(self) -> None:
+        _check_period(self.period, "period")
+        if self.eps <= 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+
+
+@register_combiner("local-adaalter", LocalAdaAlterOptions)
 class LocalAdaAlterCombiner(_LocalCombiner):
     """Local AdaAlter (see the module docstring); needs ``torch.optim.SGD`` with momentum 0,
-    whose groups' ``lr`` and ``weight_decay`` it uses.
+    whose groups' ``lr`` and ``weight_decay`` it uses."""
 
-    Args:
-        period: ``H``, steps between synchronisations of models and accumulators.
-        eps: ``eps`` of the denominator (added as ``s * eps^2``).
-        initial_accumulator: the starting value of ``A`` and ``D``.
-    """
+    summary = "local AdaGrad with a lagging denominator"
 
-    mode = "local-adaalter"
-
-    def __init__(self, *, period: int = 8, eps: float = 1.0, initial_accumulator: float = 0.0):
-        super().__init__()
-        self.period = _check_period(period, "--local-steps")
-        if eps <= 0:
-            raise ValueError(f"--adaalter-eps must be > 0, got {eps}")
-        self.eps = float(eps)
-        self.initial_accumulator = float(initial_accumulator)
+    def __init__(self, options: LocalAdaAlterOptions | None = None, **kwargs: Any) -> None:
+        super().__init__(options, **kwargs)
+        self.period = self.options.period
+        self.eps = float(self.options.eps)
+        self.initial_accumulator = float(self.options.initial_accumulator)
         self.acc: list[Tensor] | None = None  # A_i
         self.den: list[Tensor] | None = None  # D (the accumulator at the last sync)
         self.since_sync = 0
 
-    def prepare(self, model: nn.Module, env: DistEnv) -> nn.Module:
-        model = super().prepare(model, env)
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
+    ) -> nn.Module:
+        if not isinstance(optimizer, torch.optim.SGD) or any(
+            g.get("momentum", 0) or g.get("nesterov", False) for g in optimizer.param_groups
+        ):
+            raise ValueError(
+                "combiner 'local-adaalter' applies AdaAlter's own update (AdaGrad with a "
+                "lagging denominator) with the optimizer's lr and weight decay; it needs "
+                f"plain SGD with momentum 0 (--optimizer sgd --momentum 0), got "
+                f"{type(optimizer).__name__} with momentum "
+                f"{optimizer.param_groups[0].get('momentum')}"
+            )
+        model = super().prepare(model, optimizer, env)
         self.acc = [torch.full_like(p, self.initial_accumulator) for p in model.parameters()]
         self.den = [a.clone() for a in self.acc]
         return model
 
     @torch.no_grad()
     def _local_step(self, optimizer, scaler) -> None:
-        if not isinstance(optimizer, torch.optim.SGD) or any(
-            g.get("momentum", 0) or g.get("nesterov", False) for g in optimizer.param_groups
-        ):
-            raise ValueError(
-                "--grad-combine local-adaalter applies AdaAlter's own update with the "
-                "optimizer's lr and weight decay; build plain SGD: --optimizer sgd --momentum 0"
-            )
         assert self.model is not None and self.acc is not None and self.den is not None
         slot = {id(p): i for i, p in enumerate(self.model.parameters())}
         s = self.since_sync + 1
@@ -363,17 +374,10 @@ class LocalAdaAlterCombiner(_LocalCombiner):
     def _sync(self) -> None:
         assert self.env is not None and self.acc is not None and self.den is not None
         self._average()
+        self.counter.add(allreduce_mean_(self.acc, self.env, dtype=None))
         with torch.no_grad():
-            flat = torch.cat([a.reshape(-1) for a in self.acc])
-            if self.env.distributed:
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-                flat /= self.env.world_size
-                self.counter.add(4 * flat.numel())
-            offset = 0
             for a, d in zip(self.acc, self.den, strict=True):
-                a.copy_(flat[offset : offset + a.numel()].view_as(a))
                 d.copy_(a)
-                offset += a.numel()
         self.since_sync = 0
 
     def synchronize(self) -> None:

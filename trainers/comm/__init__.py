@@ -1,0 +1,125 @@
+"""Every way ranks combine their work: one registered class per ``--grad-combine`` mode.
+
+See :mod:`trainers.comm.base` for the protocol the trainer drives and the registry
+(:func:`register_combiner`, :func:`create_combiner`, :func:`list_combiners`). Modes:
+
+=================  =============================================================  ===============
+mode               what travels                                                   module
+=================  =============================================================  ===============
+``average``        gradients, all-reduced by DDP during the backward              ``average``
+``adasum``         gradients or updates, combined by the Adasum tree              ``adasum/``
+``ef``             compressed gradients, with error feedback                      ``ef``
+``cser``           compressed updates, residuals reset every H steps              ``cser``
+``powersgd``       low-rank factors (PyTorch's DDP hook)                          ``ddp_hooks``
+``fp16``/``bf16``  gradients cast to 16 bits (PyTorch's DDP hooks)                ``ddp_hooks``
+``localsgd``       models, every H steps (post-local SGD)                         ``localsgd``
+``slowmo``         models every H steps, a slow momentum step every H' steps      ``localsgd``
+``local-adaalter`` models and AdaGrad accumulators, every H steps                 ``localsgd``
+=================  =============================================================  ===============
+
+Compressors (``compressors``) and the flatten/collective helpers (``flat``) are shared.
+"""
+
+# Importing the modules registers their combiners (registration order = list order).
+from . import average, adasum, ef, cser, ddp_hooks, localsgd  # noqa: F401, I001
+from .adasum import AdasumCombiner, AdasumOptions, adasum_allreduce_, adasum_pair
+from .average import AverageCombiner, AverageOptions
+from .base import (
+    CommCounter,
+    GradCombiner,
+    NoOptions,
+    combiner_class,
+    create_combiner,
+    list_combiners,
+    option,
+    register_combiner,
+    unwrap_model,
+)
+from .compressed import CompressorOptions
+from .compressors import (
+    BF16,
+    COMPRESSORS,
+    FP16,
+    QSGD,
+    Compressor,
+    Identity,
+    RandomBlock,
+    Sign,
+    TopK,
+    compressed_allreduce,
+    create_compressor,
+)
+from .cser import CSERCombiner, CSEROptions
+from .ddp_hooks import BF16Combiner, FP16Combiner, PowerSGDCombiner, PowerSGDOptions
+from .ef import ErrorFeedbackCombiner
+from .flat import (
+    allreduce_mean_,
+    average_buffers_,
+    average_models_,
+    broadcast_,
+    flat_grads,
+    flatten,
+    model_tensors,
+    restore_optimizer_state,
+    unflatten_,
+)
+from .localsgd import (
+    LocalAdaAlterCombiner,
+    LocalAdaAlterOptions,
+    LocalSGDCombiner,
+    LocalSGDOptions,
+    SlowMoCombiner,
+    SlowMoOptions,
+)
+
+__all__ = [
+    "BF16",
+    "BF16Combiner",
+    "COMPRESSORS",
+    "CSERCombiner",
+    "CSEROptions",
+    "AdasumCombiner",
+    "AdasumOptions",
+    "AverageCombiner",
+    "AverageOptions",
+    "CommCounter",
+    "Compressor",
+    "CompressorOptions",
+    "ErrorFeedbackCombiner",
+    "FP16",
+    "FP16Combiner",
+    "GradCombiner",
+    "Identity",
+    "LocalAdaAlterCombiner",
+    "LocalAdaAlterOptions",
+    "LocalSGDCombiner",
+    "LocalSGDOptions",
+    "NoOptions",
+    "PowerSGDCombiner",
+    "PowerSGDOptions",
+    "QSGD",
+    "RandomBlock",
+    "Sign",
+    "SlowMoCombiner",
+    "SlowMoOptions",
+    "TopK",
+    "adasum_allreduce_",
+    "adasum_pair",
+    "allreduce_mean_",
+    "average_buffers_",
+    "average_models_",
+    "broadcast_",
+    "combiner_class",
+    "compressed_allreduce",
+    "create_combiner",
+    "create_compressor",
+    "flat_grads",
+    "flatten",
+    "list_combiners",
+    "model_tensors",
+    "option",
+    "register_combiner",
+    "restore_optimizer_state",
+    "unflatten_",
+    "unwrap_model",
+]

@@ -1,0 +1,340 @@
+"""The Adasum allreduce: the binary tree by vector-halving distance-doubling (see the package)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .kernels import _BUFFERS, _accumulate_dots, _apply_, _workspace
+from .rule import EPS, _coefficients
+
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "adasum_allreduce_"]
+
+DEFAULT_BUCKET_CAP_MB = 64.0  # Horovod's default fusion threshold
+_PIECE = 1 << 20  # elements per message of a level: the grain of communication overlap
+_SELF: Any = object()  # "a group of one": no communication
+# torch 2.13 renamed the single-tensor collectives; older versions only have the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _coefficient_lists(
+    part: Tensor, group: Any, left: bool, eps: float
+) -> tuple[list[float], list[float]]:
+    """Sum the partial dots over ``group``; per tensor: (this side's, the other's) coefficient."""
+    if group is not _SELF:
+        dist.all_reduce(part, group=group)
+    c_left, c_right = _coefficients(part[:, 0], part[:, 1], part[:, 2], eps)
+    mine, other = (c_left, c_right) if left else (c_right, c_left)
+    both = torch.stack([mine, other]).tolist()  # one host sync per level
+    return both[0], both[1]
+
+
+def _combine_(
+    a: Tensor, b: Tensor, lo: int, bounds: Sequence[int], left: bool, group: Any, eps: float
+) -> None:
+    """``a = adasum(a, b)`` per tensor on this rank's slice (dots summed over ``group``)."""
+    part = torch.zeros(len(bounds) - 1, 3, dtype=torch.float64, device=a.device)
+    _accumulate_dots(a, b, lo, bounds, left, part)
+    mine, other = _coefficient_lists(part, group, left, eps)
+    _apply_(a, b, lo, bounds, mine, other)
+
+
+def _pieces(begin: int, end: int) -> list[tuple[int, int]]:
+    return [(s, min(s + _PIECE, end)) for s in range(begin, end, _PIECE)]
+
+
+def _start_level(
+    x: Tensor, recv: Tensor, keep: tuple[int, int], give: tuple[int, int], peer: int
+) -> list[tuple[tuple[int, int] | None, list[Any]]]:
+    """Post one level's transfers piece by piece: send ``x[give]``, receive into ``recv``.
+
+    Both sides cut their ranges the same way, so send ``i`` meets receive ``i``; each pair
+    is one batch (NCCL needs the send and the receive of a pair grouped).
+    """
+    sends, recvs = _pieces(*give), _pieces(*keep)
+    posted = []
+    for i in range(max(len(sends), len(recvs))):
+        ops = []
+        if i < len(sends):
+            ops.append(dist.P2POp(dist.isend, x[sends[i][0] : sends[i][1]], peer, tag=i))
+        piece = recvs[i] if i < len(recvs) else None
+        if piece is not None:
+            r = recv[piece[0] - keep[0] : piece[1] - keep[0]]
+            ops.append(dist.P2POp(dist.irecv, r, peer, tag=i))
+        posted.append((piece, dist.batch_isend_irecv(ops)))
+    return posted
+
+
+def _exchange(send: Tensor | None, recv: Tensor | None, peer: int) -> None:
+    """Send ``send`` to and receive ``recv`` from rank ``peer`` concurrently (empty: skipped)."""
+    ops = []
+    if send is not None and send.numel():
+        ops.append(dist.P2POp(dist.isend, send, peer))
+    if recv is not None and recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, peer))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+# ================================================================================================
+# the plan: who talks to whom (built once per world and local size)
+# ================================================================================================
+@dataclass(frozen=True)
+class _Level:
+    peer: int  # global rank of the partner at this level
+    group: Any  # the ranks whose partial dot/norm sums are added (None: the world)
+    left: bool  # this rank holds the lower-numbered side
+
+
+@dataclass(frozen=True)
+class _Plan:
+    world: Any  # the default process group this plan belongs to
+    local_size: int
+    position: int  # index within the node (0 when flat)
+    node_group: Any  # the node's ranks (None when flat)
+    fold_peer: int | None  # the partner of the non-power-of-two fold
+    fold_keeper: bool  # True: receives and combines; False: sends and waits
+    fold_group: Any
+    levels: tuple[_Level, ...]
+
+
+_PLANS: dict[int, _Plan] = {}
+_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def _group(ranks: Sequence[int], world_size: int) -> Any:
+    """A process group of ``ranks``; every rank must call this in the same order."""
+    key = tuple(ranks)
+    if len(key) == 1:
+        return _SELF
+    if len(key) == world_size:
+        return None  # the default group
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(key))
+    return _GROUPS[key]
+
+
+def _get_plan(local_size: int, device: torch.device) -> _Plan:
+    world = dist.group.WORLD
+    plan = _PLANS.get(local_size)
+    if plan is not None and plan.world is world:
+        return plan
+    if any(p.world is not world for p in _PLANS.values()):  # a new default process group
+        _PLANS.clear()
+        _GROUPS.clear()
+        _BUFFERS.clear()
+    # Every rank takes part in one collective before the first point-to-point transfer
+    # (NCCL creates its communicator there; a partial first call is undefined behaviour).
+    dist.all_reduce(torch.zeros(1, device=device))
+    plan = _build_plan(world, dist.get_world_size(), dist.get_rank(), local_size)
+    _PLANS[local_size] = plan
+    return plan
+
+
+def _build_plan(world: Any, size: int, rank: int, m: int) -> _Plan:
+    """Partners and dot-sum groups; identical group creation order on every rank."""
+    units = size // m  # nodes (or ranks when m == 1)
+    unit, position = divmod(rank, m)
+
+    def ranks_of(units_: Sequence[int]) -> list[int]:
+        return [u * m + j for u in units_ for j in range(m)]
+
+    node_groups = [_group(ranks_of([u]), size) for u in range(units)] if m > 1 else None
+    node_group = node_groups[unit] if node_groups is not None else None
+
+    p2 = 1 << (units.bit_length() - 1)  # the largest power of two <= units
+    extra = units - p2
+
+    def real(v: int) -> int:  # virtual unit of the power-of-two tree -> unit
+        return 2 * v if v < extra else v + extra
+
+    fold_peer, keeper, fold_group = None, False, _SELF
+    if unit < 2 * extra:
+        keeper = unit % 2 == 0
+        fold_peer = (unit ^ 1) * m + position
+        if keeper and node_groups is not None:
+            fold_group = node_group
+    v = (unit // 2 if keeper else None) if unit < 2 * extra else unit - extra
+
+    levels = []
+    level = 1
+    while level < p2:
+        blocks = [range(b, b + 2 * level) for b in range(0, p2, 2 * level)]
+        groups = [_group(ranks_of([real(w) for w in blk]), size) for blk in blocks]
+        if v is not None:
+            peer = real(v ^ level) * m + position
+            levels.append(_Level(peer, groups[v // (2 * level)], v & level == 0))
+        level *= 2
+    return _Plan(world, m, position, node_group, fold_peer, keeper, fold_group, tuple(levels))
+
+
+# ================================================================================================
+# the allreduce
+# ================================================================================================
+def _tree_(x: Tensor, lo: int, bounds: Sequence[int], plan: _Plan, eps: float) -> None:
+    """This rank's slice ``x`` (global offset ``lo``) becomes the Adasum over the units.
+
+    Communication overlaps the arithmetic: a level's halves travel in pieces and the dots of
+    a piece are computed as soon as it arrives; after the coefficients are known, the part
+    of the result the next level sends is computed first and its transfer starts while the
+    rest is computed.
+    """
+    n = x.numel()
+    half = n - n // 2
+    fold = n if plan.fold_keeper else 0
+    recv = _workspace("recv", max(fold, half + half // 2 + 1), x.dtype, x.device)
+    regions = (recv[:half], recv[half:])  # levels alternate: one receives, one is read
+    if plan.fold_peer is not None:
+        if not plan.fold_keeper:  # hand over, wait for the result
+            _exchange(x, None, plan.fold_peer)
+            _exchange(None, x, plan.fold_peer)
+            return
+        _exchange(None, recv[:n], plan.fold_peer)
+        _combine_(x, recv[:n], lo, bounds, True, plan.fold_group, eps)
+
+    splits = []  # vector halving: (keep, give) per level
+    begin, end = 0, n
+    for level in plan.levels:
+        mid = begin + (end - begin) // 2
+        keep, give = ((begin, mid), (mid, end)) if level.left else ((mid, end), (begin, mid))
+        splits.append((keep, give))
+        begin, end = keep
+
+    if plan.levels:
+        posted = _start_level(x, regions[0], *splits[0], plan.levels[0].peer)
+    for i, level in enumerate(plan.levels):  # distance doubling
+        (k0, k1), _ = splits[i]
+        theirs = regions[i % 2]
+        part = torch.zeros(len(bounds) - 1, 3, dtype=torch.float64, device=x.device)
+        for piece, works in posted:
+            for work in works:
+                work.wait()
+            if piece is not None:
+                s, e = piece
+                _accumulate_dots(x[s:e], theirs[s - k0 : e - k0], lo + s, bounds, level.left, part)
+        mine, other = _coefficient_lists(part, level.group, level.left, eps)
+        last = i + 1 == len(plan.levels)  # else: next level's outgoing half first, start it
+        order = [(k0, k1)] if last else [splits[i + 1][1], splits[i + 1][0]]
+        for j, (s, e) in enumerate(order):
+            _apply_(x[s:e], theirs[s - k0 : e - k0], lo + s, bounds, mine, other)
+            if j == 0 and len(order) == 2:
+                posted = _start_level(x, regions[(i + 1) % 2], *splits[i + 1], plan.levels[i + 1].peer)  # fmt: skip
+
+    for level, (keep, give) in zip(reversed(plan.levels), reversed(splits), strict=True):
+        _exchange(x[keep[0] : keep[1]], x[give[0] : give[1]], level.peer)  # allgather
+
+    if plan.fold_peer is not None:
+        _exchange(x, None, plan.fold_peer)
+
+
+def _buckets(tensors: Sequence[Tensor], cap_bytes: int) -> list[list[int]]:
+    """Indices of ``tensors`` fused per (device, dtype), each bucket at most ``cap_bytes``."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_kind.setdefault((t.device, t.dtype), []).append(i)
+    buckets: list[list[int]] = []
+    for indices in by_kind.values():
+        current: list[int] = []
+        size = 0
+        for i in indices:
+            nbytes = tensors[i].numel() * tensors[i].element_size()
+            if current and size + nbytes > cap_bytes:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += nbytes
+        if current:
+            buckets.append(current)
+    return buckets
+
+
+@torch.no_grad()
+def adasum_allreduce_(
+    tensors: Sequence[Tensor],
+    *,
+    local_size: int = 1,
+    eps: float = EPS,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+) -> Sequence[Tensor]:
+    """Replace every rank's tensors, in place, by the Adasum over ranks (per tensor).
+
+    A collective over the default process group: every rank calls it with tensors of the
+    same shapes, dtypes and order. The result is identical on every rank. Without a process
+    group, or with one rank, the tensors are returned untouched.
+
+    Args:
+        tensors: floating-point tensors (fp32, fp64, fp16, bf16), on CPU (gloo) or the
+            rank's GPU (NCCL).
+        local_size: ranks per node for hierarchical Adasum (average inside each node, Adasum
+            across nodes); ranks must be node-major (rank // local_size is the node), as
+            ``torchrun`` assigns them. 1 (default): flat Adasum over all ranks.
+        eps: the guard on squared norms (see :func:`adasum_pair`).
+        bucket_cap_mb: tensors are fused into buckets of at most this size (a larger tensor
+            gets a bucket of its own); each bucket costs ``2 log2(N)`` messages plus one small
+            dot/norm allreduce per level.
+
+    Returns:
+        ``tensors``.
+
+    Raises:
+        ValueError: ``local_size`` does not divide the world size, or equals it (one node:
+            that would be plain averaging).
+        TypeError: a tensor is not floating point.
+    """
+    if not tensors or not dist.is_available() or not dist.is_initialized():
+        return tensors
+    if dist.get_world_size() == 1:
+        return tensors
+    size = dist.get_world_size()
+    if local_size < 1 or size % local_size:
+        raise ValueError(
+            f"local_size={local_size} must divide the world size {size} (ranks per node)"
+        )
+    if local_size == size:
+        raise ValueError(
+            f"local_size={local_size} equals the world size: hierarchical Adasum on a single "
+            "node is plain averaging; use local_size=1 for Adasum between these ranks"
+        )
+    for t in tensors:
+        if not t.is_floating_point() or t.is_sparse:
+            raise TypeError(f"Adasum needs dense floating-point tensors, got {t.dtype} {t.layout}")
+    plan = _get_plan(local_size, tensors[0].device)
+    cap = max(1, int(bucket_cap_mb * 2**20))
+    for bucket in _buckets(tensors, cap):
+        _allreduce_bucket([tensors[i] for i in bucket], plan, eps)
+    return tensors
+
+
+def _allreduce_bucket(tensors: list[Tensor], plan: _Plan, eps: float) -> None:
+    bounds = [0]
+    for t in tensors:
+        bounds.append(bounds[-1] + t.numel())
+    n, m = bounds[-1], plan.local_size
+    if n == 0:
+        return
+    shard_len = -(-n // m)  # hierarchical: each rank of a node owns one shard
+    in_place = m == 1 and len(tensors) == 1 and tensors[0].is_contiguous()
+    if in_place:
+        flat = tensors[0].view(-1)
+    else:
+        flat = _workspace("flat", shard_len * m, tensors[0].dtype, tensors[0].device)
+        torch.cat([t.reshape(-1) for t in tensors], out=flat[:n])
+        flat[n:].zero_()
+    if m == 1:
+        _tree_(flat, 0, bounds, plan, eps)
+    else:
+        shard = _workspace("shard", shard_len, flat.dtype, flat.device)
+        _reduce_scatter(shard, flat, op=dist.ReduceOp.SUM, group=plan.node_group)
+        shard.div_(m)
+        _tree_(shard, plan.position * shard_len, bounds, plan, eps)
+        _all_gather(flat, shard, group=plan.node_group)
+    if not in_place:
+        for t, lo, hi in zip(tensors, bounds[:-1], bounds[1:], strict=True):
+            t.copy_(flat[lo:hi].view_as(t))

@@ -1,0 +1,212 @@
+"""``--grad-combine adasum``: the combiner, in gradient mode or delta mode (Horovod's)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ...dist import DistEnv
+from ..base import GradCombiner, option, register_combiner
+from ..flat import broadcast_, restore_optimizer_state
+from .allreduce import DEFAULT_BUCKET_CAP_MB, adasum_allreduce_
+from .rule import EPS
+
+__all__ = ["ADASUM_MODES", "AdasumCombiner", "AdasumOptions", "resolve_adasum_mode"]
+
+ADASUM_MODES = ("auto", "delta", "gradient")
+
+
+def resolve_adasum_mode(mode: str, optimizer: torch.optim.Optimizer) -> str:
+    """``"delta"`` or ``"gradient"`` (``auto``: by the optimizer).
+
+    ``auto`` picks gradient mode for ``torch.optim.SGD`` (plain SGD and Nesterov momentum:
+    ``--optimizer sgd / nag``) and delta mode for every other optimizer (Adam, AdamW, LAMB,
+    LANS, ...: their update is not linear in the gradient, so Horovod combines updates).
+    """
+    if mode not in ADASUM_MODES:
+        raise ValueError(f"adasum mode {mode!r}: choose one of {', '.join(ADASUM_MODES)}")
+    if mode != "auto":
+        return mode
+    return "gradient" if isinstance(optimizer, torch.optim.SGD) else "delta"
+
+
+@dataclass(frozen=True)
+class AdasumOptions:
+    mode: str = option(
+        "auto",
+        "combine optimizer updates (delta) or gradients (gradient); auto: gradient for "
+        "sgd / nag, delta for adaptive optimizers (adam, adamw, lamb, lans, ...)",
+        flag="--adasum-mode",
+        choices=ADASUM_MODES,
+    )
+    hierarchical: bool = option(
+        False,
+        "average inside each node, Adasum across nodes (needs >= 2 nodes)",
+        flag="--adasum-hierarchical",
+    )
+    eps: float = option(EPS, "guard on the squared norms (Horovod's)", flag="--adasum-eps")
+    bucket_cap_mb: float = option(
+        DEFAULT_BUCKET_CAP_MB, "fusion bucket size in MB (Horovod's)", flag="--adasum-bucket-cap-mb"
+    )
+
+    def __post_init__(self) -> None:
+        if self.mode not in ADASUM_MODES:
+            raise ValueError(f"mode {self.mode!r}: choose one of {', '.join(ADASUM_MODES)}")
+        if self.eps < 0 or self.bucket_cap_mb <= 0:
+            raise ValueError(
+                f"eps must be >= 0 and bucket_cap_mb > 0, got {self.eps} and {self.bucket_cap_mb}"
+            )
+
+
+@register_combiner("adasum", AdasumOptions)
+class AdasumCombiner(GradCombiner):
+    """Adasum across ranks; the bare module starts from rank 0's weights and buffers.
+
+    **Gradient mode**: ``p.grad`` is Adasum-combined per tensor, then one ordinary optimizer
+    step. For plain SGD / Nesterov momentum. Gradients still carry the fp16 loss scale when
+    they are combined; the guard ``eps`` is scaled with it (``eps * scale**2``), so fp16 and
+    fp32 runs combine alike, and a non-finite gradient on any rank reaches every rank, which
+    then skip the step together. A parameter without a gradient on some ranks counts as zero
+    there; one without a gradient anywhere keeps ``grad=None``.
+
+    **Delta mode** (Horovod's ``DistributedOptimizer(op=Adasum)``): every rank runs
+    ``optimizer.step()`` (``scaler.step`` under fp16) on its own gradients from the same
+    weights ``w_start``; the updates ``w_new - w_start`` are Adasum-combined per tensor and
+    every rank sets ``w = w_start + combined``. For adaptive optimizers. Optimizer states
+    (moments) stay per rank, as in Horovod, and are saved per rank in checkpoints. Gradient
+    clipping applies to local gradients. A rank whose fp16 step is skipped (overflow)
+    contributes a zero update, which Adasum ignores.
+
+    With one rank nothing is communicated: exactly the plain optimizer. Use the single-worker
+    learning rate (Adasum of parallel updates is their mean, of orthogonal ones their sum).
+    ``hierarchical``: average inside each node (``local_world_size`` ranks), Adasum across
+    nodes; needs at least two nodes.
+    """
+
+    summary = "adaptive summation; keep the single-worker learning rate, see docs/adasum.md"
+
+    def __init__(self, options: AdasumOptions | None = None, **kwargs: Any) -> None:
+        super().__init__(options, **kwargs)
+        # "gradient" / "delta"; "auto" is resolved in prepare, where the optimizer is known
+        self.mode: str | None = None if self.options.mode == "auto" else self.options.mode
+        self.local_size = 1
+        self._scaler: torch.amp.GradScaler | None = None
+        self._pending_scaler: dict[str, Any] | None = None
+
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
+    ) -> nn.Module:
+        super().prepare(model, optimizer, env)
+        self.mode = resolve_adasum_mode(self.options.mode, optimizer)
+        if not env.distributed:
+            return model
+        if self.options.hierarchical:
+            self.local_size = _check_hierarchy(env)
+        # Like DistributedDataParallel: every rank starts from rank 0's weights and buffers.
+        broadcast_(list(model.parameters()) + list(model.buffers()))
+        return model
+
+    def _sync_buffers(self) -> None:
+        """Rank 0's buffers (BatchNorm statistics) everywhere, as DDP does before a forward."""
+        assert self.model is not None
+        broadcast_(list(self.model.buffers()))
+
+    def _allreduce(self, tensors: Sequence[Tensor], eps: float) -> None:
+        adasum_allreduce_(
+            tensors, local_size=self.local_size, eps=eps, bucket_cap_mb=self.options.bucket_cap_mb
+        )
+
+    def _distributed(self) -> bool:
+        return self.env is not None and self.env.distributed
+
+    def reduce_gradients(self, scaler: torch.amp.GradScaler | None) -> None:
+        if self.mode != "gradient" or not self._distributed():
+            return
+        assert self.model is not None and self.env is not None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+        has = has.to(self.env.device)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX)  # tiny; keeps the ranks agreed
+        grads = []
+        for p, anywhere in zip(params, has.tolist(), strict=True):
+            if anywhere and p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if p.grad is not None:
+                if p.grad.is_sparse:
+                    raise TypeError("Adasum does not support sparse gradients")
+                grads.append(p.grad)
+        eps = self.options.eps
+        self._allreduce(grads, eps * scaler.get_scale() ** 2 if scaler is not None else eps)
+
+    def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+        if not self._distributed():
+            super().step(optimizer, scaler)
+            return
+        if self.mode == "gradient":
+            super().step(optimizer, scaler)
+            self._sync_buffers()
+            return
+        self._scaler = scaler
+        if self._pending_scaler is not None and scaler is not None:
+            scaler.load_state_dict(self._pending_scaler)
+        self._pending_scaler = None
+        params = list(dict.fromkeys(p for g in optimizer.param_groups for p in g["params"]))
+        with torch.no_grad():
+            start = [p.detach().clone() for p in params]
+            super().step(optimizer, scaler)
+            deltas = [p.detach() for p in params]
+            for d, s in zip(deltas, start, strict=True):
+                d.sub_(s)  # the parameters now hold the updates
+            self._allreduce(deltas, self.options.eps)
+            for d, s in zip(deltas, start, strict=True):
+                d.add_(s)
+        self._sync_buffers()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Delta mode: this rank's optimizer moments and loss scale (rank 0's are the
+        checkpoint's own)."""
+        env = self.env
+        if self.mode != "delta" or env is None or not env.distributed or env.is_main:
+            return {}
+        assert self.optimizer is not None
+        state: dict[str, Any] = {"optimizer": self.optimizer.state_dict()["state"]}
+        if self._scaler is not None:
+            state["scaler"] = self._scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The moments now; the loss scale at the next step (the scaler is passed there)."""
+        if not state_dict:
+            return
+        assert self.optimizer is not None
+        restore_optimizer_state(self.optimizer, state_dict.get("optimizer"))
+        self._pending_scaler = state_dict.get("scaler")
+
+
+def _check_hierarchy(env: DistEnv) -> int:
+    """``local_world_size`` after checking that ranks are node-major and there are >= 2 nodes."""
+    local = env.local_world_size
+    if env.world_size == local:
+        raise ValueError(
+            f"hierarchical Adasum on a single node ({env.world_size} ranks, local_world_size "
+            f"{local}) would be plain averaging; drop --adasum-hierarchical to run Adasum "
+            "between these ranks, or use --grad-combine average"
+        )
+    if local < 1 or env.world_size % local:
+        raise ValueError(
+            f"hierarchical Adasum needs the same number of ranks on every node: world size "
+            f"{env.world_size} is not a multiple of local_world_size {local}"
+        )
+    layout = env.all_gather_object((env.rank, env.local_rank))
+    bad = [(r, lr) for r, lr in layout if lr != r % local]
+    if bad:
+        raise ValueError(
+            f"hierarchical Adasum needs node-major ranks (local_rank == rank % {local}, as "
+            f"torchrun assigns them); got (rank, local_rank) {bad[:4]}"
+        )
+    return local

@@ -1,0 +1,175 @@
+"""Adasum's kernels on one rank's slice of a fused buffer: per-tensor dots and a*x + b*y.
+
+Dots and norms accumulate in float64, chunk by chunk on CPU (cache-sized), with the short
+segments of many small tensors reduced together in vectorized runs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+_SMALL = 4096  # segments shorter than this are reduced together, vectorized
+_RUN = 1 << 18  # at most this many elements of small segments per vectorized pass
+_CHUNK = 1 << 16  # CPU: elements widened to float64 at once (cache-sized)
+_AXPBY_CHUNK = 1 << 19  # CPU: elements of fp16/bf16 widened to fp32 at once
+_WIDE = 1e30  # coefficients beyond this would overflow fp32 products: use fp64
+
+
+def _chunk_for(x: Tensor) -> int:
+    return _CHUNK if x.device.type == "cpu" else 1 << 62
+
+
+_BUFFERS: dict[tuple[str, torch.device, torch.dtype], Tensor] = {}
+
+
+def _workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A persistent buffer of at least ``numel`` elements (fusion / receive / widening).
+
+    Kept between calls, like Horovod's fusion buffer: allocating (and first touching) tens
+    of megabytes per step costs as much as the arithmetic.
+    """
+    key = (name, device, dtype)
+    buf = _BUFFERS.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        _BUFFERS[key] = buf
+    return buf[:numel]
+
+
+def _dots(x: Tensor, y: Tensor, out: Tensor) -> None:
+    """``out = (x.y, x.x, y.y)`` accumulated in float64.
+
+    One Gram product of the widened pair per chunk: the chunk is converted once into a
+    cache-sized float64 buffer and read once by the matrix product. (Views are made once:
+    at this grain, creating views costs as much as the arithmetic.)
+    """
+    step = min(_chunk_for(x), x.numel())
+    wide = _workspace("wide", 2 * step, torch.float64, x.device).view(2, step)
+    w0, w1, wt = wide[0], wide[1], wide.T
+    gram = torch.zeros(2, 2, dtype=torch.float64, device=x.device)
+    for xc, yc in zip(x.split(step), y.split(step), strict=True):
+        if xc.numel() == step:
+            w0.copy_(xc)
+            w1.copy_(yc)
+            gram.addmm_(wide, wt)
+        else:
+            w = wide[:, : xc.numel()]
+            w[0].copy_(xc)
+            w[1].copy_(yc)
+            gram.addmm_(w, w.T)
+    out[0], out[1], out[2] = gram[0, 1], gram[0, 0], gram[1, 1]
+
+
+def _segment_dots(a: Tensor, b: Tensor, spans: list[tuple[int, int]]) -> Tensor:
+    """Per span ``(start, end)`` of ``a``/``b``: ``(a.b, a.a, b.b)`` in float64, shape (k, 3).
+
+    Spans are consecutive. Long ones are reduced one by one; runs of short ones in one
+    vectorized pass (``segment_reduce``), so thousands of small tensors stay cheap.
+    """
+    out = torch.zeros(len(spans), 3, dtype=torch.float64, device=a.device)
+    i = 0
+    while i < len(spans):
+        j = _run_end(spans, i)
+        start, end = spans[i][0], spans[j - 1][1]
+        if j - i == 1:
+            _dots(a[start:end], b[start:end], out[i])
+        else:
+            lengths = torch.tensor([e - s for s, e in spans[i:j]], device=a.device)
+            ad, bd = a[start:end].double(), b[start:end].double()
+            for col, prod in enumerate((ad * bd, ad * ad, bd * bd)):
+                out[i:j, col] = torch.segment_reduce(prod, "sum", lengths=lengths)
+        i = j
+    return out
+
+
+def _run_end(spans: list[tuple[int, int]], i: int) -> int:
+    """End (exclusive) of the run of short spans starting at ``i`` (``i + 1`` for a long one)."""
+    if spans[i][1] - spans[i][0] >= _SMALL:
+        return i + 1
+    j, total = i, 0
+    while j < len(spans) and spans[j][1] - spans[j][0] < _SMALL and total < _RUN:
+        total += spans[j][1] - spans[j][0]
+        j += 1
+    return j
+
+
+def _axpby_(x: Tensor, y: Tensor, p: float, q: float) -> None:
+    """``x = p x + q y`` in place; fp32 arithmetic for fp32/fp16/bf16, fp64 when needed."""
+    wide = x.dtype == torch.float64 or max(abs(p), abs(q)) > _WIDE
+    compute = torch.float64 if wide else torch.float32
+    if x.dtype == compute:
+        x.mul_(p).add_(y, alpha=q)
+        return
+    step = _AXPBY_CHUNK if x.device.type == "cpu" else 1 << 62
+    for k in range(0, x.numel(), step):
+        xk, yk = x[k : k + step], y[k : k + step]
+        xk.copy_(xk.to(compute).mul_(p).add_(yk.to(compute), alpha=q))
+
+
+def _segment_axpby_(
+    a: Tensor, b: Tensor, spans: list[tuple[int, int]], p: list[float], q: list[float]
+) -> None:
+    """Per span: ``a = p[i] a + q[i] b`` (the same runs as :func:`_segment_dots`)."""
+    i = 0
+    while i < len(spans):
+        j = _run_end(spans, i)
+        start, end = spans[i][0], spans[j - 1][1]
+        wide = a.dtype == torch.float64 or max(map(abs, p[i:j] + q[i:j])) > _WIDE
+        if j - i == 1 or wide:
+            for k in range(i, j):
+                s, e = spans[k]
+                _axpby_(a[s:e], b[s:e], p[k], q[k])
+        else:
+            lengths = torch.tensor([e - s for s, e in spans[i:j]], device=a.device)
+            pe = torch.tensor(p[i:j], dtype=torch.float32, device=a.device)
+            qe = torch.tensor(q[i:j], dtype=torch.float32, device=a.device)
+            pe = torch.repeat_interleave(pe, lengths)
+            qe = torch.repeat_interleave(qe, lengths)
+            x, y = a[start:end], b[start:end]
+            if x.dtype == torch.float32:
+                x.mul_(pe).addcmul_(y, qe)
+            else:
+                x.copy_(x.float().mul_(pe).addcmul_(y.float(), qe))
+        i = j
+
+
+def _spans(bounds: Sequence[int], lo: int, hi: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Tensors (ids) meeting the global range [lo, hi) and their spans relative to ``lo``."""
+    ids, spans = [], []
+    i = max(bisect.bisect_right(bounds, lo) - 1, 0)
+    while i < len(bounds) - 1 and bounds[i] < hi:
+        s, e = max(bounds[i], lo), min(bounds[i + 1], hi)
+        if e > s:
+            ids.append(i)
+            spans.append((s - lo, e - lo))
+        i += 1
+    return ids, spans
+
+
+def _accumulate_dots(
+    a: Tensor, b: Tensor, lo: int, bounds: Sequence[int], left: bool, part: Tensor
+) -> None:
+    """Add this slice's per-tensor ``(a.b, |left|^2, |right|^2)`` into ``part`` (T, 3).
+
+    ``a`` is this rank's data on the global range [lo, lo + len(a)), ``b`` the partner's;
+    ``left``: ``a`` belongs to the lower-numbered side of the pair.
+    """
+    ids, spans = _spans(bounds, lo, lo + a.numel())
+    if spans:
+        dots = _segment_dots(a, b, spans)  # (a.b, a.a, b.b)
+        if not left:
+            dots = dots[:, [0, 2, 1]]
+        part.index_add_(0, torch.tensor(ids, device=a.device), dots)
+
+
+def _apply_(
+    a: Tensor, b: Tensor, lo: int, bounds: Sequence[int], mine: list[float], other: list[float]
+) -> None:
+    """``a = mine[t] a + other[t] b`` for every tensor ``t`` meeting [lo, lo + len(a))."""
+    ids, spans = _spans(bounds, lo, lo + a.numel())
+    if spans:
+        _segment_axpby_(a, b, spans, [mine[i] for i in ids], [other[i] for i in ids])

@@ -1,0 +1,89 @@
+"""``--grad-combine average``: gradient averaging with ``DistributedDataParallel`` (the default)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..dist import DistEnv
+from .base import CommCounter, GradCombiner, option, register_combiner
+
+__all__ = ["AverageCombiner", "AverageOptions"]
+
+
+@dataclass(frozen=True)
+class AverageOptions:
+    find_unused_parameters: bool = option(
+        False,
+        "let DDP find parameters that get no gradient in a step (slower; needed "
+        "when part of the model is unused)",
+        flag="--ddp-find-unused-parameters",
+    )
+    bucket_cap_mb: float | None = option(
+        None,
+        "DDP's gradient bucket size in MB (default: DDP's, 25)",
+        flag="--ddp-bucket-cap-mb",
+    )
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"find_unused_parameters": self.find_unused_parameters}
+        if self.bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = self.bucket_cap_mb
+        return kwargs
+
+
+@register_combiner("average", AverageOptions)
+class AverageCombiner(GradCombiner):
+    """Average gradients across ranks with ``DistributedDataParallel``.
+
+    With one rank the model is used as is. DDP all-reduces (sums, then divides by the world
+    size) bucket by bucket during the final micro-step's backward, overlapping communication
+    with computation; :meth:`no_sync` skips it on the other micro-steps.
+    """
+
+    summary = "gradients averaged by DistributedDataParallel"
+
+    def __init__(self, options: AverageOptions | None = None, **kwargs: Any) -> None:
+        super().__init__(options, **kwargs)
+        self.ddp: DistributedDataParallel | None = None
+        self.counter = CommCounter()
+
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
+    ) -> nn.Module:
+        super().prepare(model, optimizer, env)
+        if not env.distributed:
+            return model
+        self.counter.set_model(model)
+        device_ids = [env.device.index] if env.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(
+            model, device_ids=device_ids, **self.options.ddp_kwargs()
+        )
+        return self.ddp
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        if self.ddp is None:
+            yield
+        else:
+            with self.ddp.no_sync():
+                yield
+
+    def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+        super().step(optimizer, scaler)
+        if self.ddp is not None:
+            self.counter.add(self.counter.grad_bytes)  # one dense all-reduce of the gradients
+            self.counter.step()
+
+    def metrics(self) -> dict[str, float]:
+        return self.counter.metrics() if self.ddp is not None else {}

@@ -1,0 +1,283 @@
+"""The combiner protocol, the registry of ``--grad-combine`` modes, and byte counting.
+
+The trainer's loop never talks to ``DistributedDataParallel`` or to any collective directly;
+it calls a :class:`GradCombiner` at fixed points of every optimizer step::
+
+    model_fwd = combiner.prepare(model, optimizer, env)   # once: wrap (DDP) or keep the module
+    for each micro-batch of the step:
+        with combiner.no_sync() if not last else nullcontext():
+            loss = train_step(model_fwd, batch); backward(loss / n)
+    combiner.reduce_gradients(scaler)               # grads still carry the fp16 loss scale
+    scaler.unscale_(optimizer); clip_grad_norm_(...)   # trainer (if fp16 / clipping)
+    set the learning rate                            # trainer
+    combiner.step(optimizer, scaler)                # the (combined) optimizer step
+    scaler.update(); optimizer.zero_grad()           # trainer
+    combiner.metrics()                              # extra numbers for the step records
+
+``synchronize()`` is called before every evaluation: combiners whose replicas drift apart
+(CSER, the local-SGD family) make them equal there. ``metrics()`` reports ``bytes_sent`` (what
+one worker sends per optimizer step), ``grad_bytes`` (the dense fp32 gradient) and
+``compression_ratio`` when the world has more than one rank.
+
+``state_dict()`` is saved **per rank** in checkpoints (residuals, local optimizer moments
+differ between ranks) and given back to the same rank on resume when the world size is
+unchanged, after the trainer has loaded the model and rank 0's optimizer state; after a
+world-size change ``load_state_dict`` is not called and the combiner starts fresh.
+
+**Registry.** Every mode is one class, registered with its name and a frozen options
+dataclass that owns every default::
+
+    @dataclass(frozen=True)
+    class MyOptions:
+        period: int = option(4, "steps between averagings", flag="--my-period")
+
+    @register_combiner("mine", MyOptions)
+    class MyCombiner(GradCombiner):
+        ...                                  # self.options.period, self.seed
+
+    create_combiner("mine", period=8, seed=0)    # or create_combiner(CombinerConfig(...))
+
+``list_combiners()`` gives the ``--grad-combine`` choices; ``trainers.cli`` builds each mode's
+flags, help texts and defaults from its options class, so adding a mode is adding one class.
+Options validate themselves in ``__post_init__`` and their errors name the option.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..dist import DistEnv
+
+__all__ = [
+    "CommCounter",
+    "GradCombiner",
+    "NoOptions",
+    "combiner_class",
+    "create_combiner",
+    "list_combiners",
+    "option",
+    "register_combiner",
+    "unwrap_model",
+]
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module inside a ``DistributedDataParallel`` (or ``torch.compile``) wrapper."""
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def option(
+    default: Any,
+    help: str,  # noqa: A002 - the argparse word
+    *,
+    flag: str | None = None,
+    choices: Callable[[], list[str]] | tuple[str, ...] | None = None,
+) -> Any:
+    """A field of a combiner's options dataclass: its default, help text and CLI flag.
+
+    ``flag`` defaults to ``--<field-name-with-dashes>``; several modes may share one flag
+    (``--local-steps``) with their own defaults. ``choices`` is a tuple or a callable
+    returning the valid values (evaluated when the CLI is built).
+    """
+    return dataclasses.field(
+        default=default, metadata={"help": help, "flag": flag, "choices": choices}
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """The options of a mode that has none."""
+
+
+class GradCombiner:
+    """Base class: a world of independent ranks that each step on their own gradients.
+
+    Subclasses override the hooks they need; see the module docstring for when the trainer
+    calls each one. The base implementation does no communication at all (correct for a
+    world of one).
+
+    Args:
+        options: an instance of the class's ``Options`` dataclass (default: its defaults,
+            updated by ``overrides``).
+        seed: the run seed, for modes that draw random numbers (identical on every rank).
+        **overrides: option values, e.g. ``LocalSGDCombiner(period=4)``.
+    """
+
+    name: str = "base"
+    Options: type = NoOptions
+    summary: str = ""  # one line for --grad-combine's help and the docs table
+
+    def __init__(self, options: Any = None, *, seed: int = 0, **overrides: Any) -> None:
+        cls = type(self).Options
+        if options is None:
+            options = cls(**overrides)
+        else:
+            if not isinstance(options, cls):
+                raise TypeError(
+                    f"{type(self).__name__} takes {cls.__name__}, got {type(options).__name__}"
+                )
+            if overrides:
+                options = dataclasses.replace(options, **overrides)
+        self.options = options
+        self.seed = int(seed)
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.env: DistEnv | None = None
+
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
+    ) -> nn.Module:
+        """Called once; returns the module the trainer calls ``train_step`` with."""
+        self.model = model
+        self.optimizer = optimizer
+        self.env = env
+        return model
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Context for the backward of a non-final micro-step (skip communication)."""
+        yield
+
+    def reduce_gradients(self, scaler: torch.amp.GradScaler | None) -> None:
+        """After the final backward, before unscaling and clipping: combine ``p.grad``."""
+
+    def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+        """Perform the optimizer step (through ``scaler.step`` when a scaler is given)."""
+        if scaler is not None:
+            scaler.step(optimizer)
+        else:
+            optimizer.step()
+
+    def synchronize(self) -> None:
+        """Before evaluation (a collective): make diverged replicas equal (no-op here)."""
+
+    def metrics(self) -> dict[str, float]:
+        """Extra numbers for the step records (e.g. bytes sent per step)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (saved per rank)."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` of the same rank (called after :meth:`prepare`)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.options!r})"
+
+
+# ---- the registry ------------------------------------------------------------------------------
+_COMBINERS: dict[str, type[GradCombiner]] = {}
+_C = TypeVar("_C", bound=type[GradCombiner])
+
+
+def register_combiner(name: str, options: type | None = None) -> Callable[[_C], _C]:
+    """Class decorator: register a :class:`GradCombiner` as ``--grad-combine name``.
+
+    Raises:
+        ValueError: the name is taken.
+        TypeError: ``options`` is not a frozen dataclass.
+    """
+    key = name.lower()
+    opts = NoOptions if options is None else options
+    if not dataclasses.is_dataclass(opts) or not opts.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        raise TypeError(f"combiner {name!r}: options must be a frozen dataclass, got {opts!r}")
+
+    def decorate(cls: _C) -> _C:
+        if key in _COMBINERS:
+            raise ValueError(
+                f"combiner {key!r} is already registered ({_COMBINERS[key].__qualname__}); "
+                "pick another name"
+            )
+        if not (isinstance(cls, type) and issubclass(cls, GradCombiner)):
+            raise TypeError(f"combiner {key!r}: {cls!r} is not a GradCombiner subclass")
+        cls.name = key
+        cls.Options = opts
+        _COMBINERS[key] = cls
+        return cls
+
+    return decorate
+
+
+def list_combiners() -> list[str]:
+    """The registered modes, in registration order (``average`` first)."""
+    return list(_COMBINERS)
+
+
+def combiner_class(name: str) -> type[GradCombiner]:
+    """The class registered as ``name``; unknown names suggest close ones."""
+    key = name.lower()
+    if key not in _COMBINERS:
+        close = difflib.get_close_matches(key, list(_COMBINERS), n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ValueError(
+            f"unknown combiner {name!r}{hint}; available: {', '.join(list_combiners())}"
+        )
+    return _COMBINERS[key]
+
+
+def create_combiner(config: Any, *, seed: int = 0, **overrides: Any) -> GradCombiner:
+    """A combiner from a :class:`~trainers.config.CombinerConfig` or a mode name.
+
+    Args:
+        config: a ``CombinerConfig`` (mode + options) or a registered name.
+        seed: the run seed (see :class:`GradCombiner`).
+        **overrides: option values on top of the config's.
+    """
+    if isinstance(config, str):
+        return combiner_class(config)(seed=seed, **overrides)
+    cls = combiner_class(config.mode)
+    return cls(config.options, seed=seed, **overrides)
+
+
+# ---- byte counting -------------------------------------------------------------------------------
+class CommCounter:
+    """Bytes one worker sends, summed between two :meth:`metrics` calls (the log interval).
+
+    ``grad_bytes`` is the size of the dense fp32 gradient; ``compression_ratio`` is
+    ``grad_bytes / bytes_sent`` (1 for plain averaging; above 1 when sending less).
+    """
+
+    def __init__(self) -> None:
+        self.grad_bytes = 0
+        self.bytes = 0
+        self.steps = 0
+        self.total_bytes = 0  # since the start (or since the combiner was created)
+
+    def set_model(self, model: nn.Module) -> None:
+        """``grad_bytes`` = the model's trainable parameters in fp32."""
+        self.grad_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    def add(self, nbytes: int) -> None:
+        self.bytes += int(nbytes)
+        self.total_bytes += int(nbytes)
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def metrics(self) -> dict[str, float]:
+        if self.steps == 0:
+            return {}
+        per_step = self.bytes / self.steps
+        out = {
+            "bytes_sent": per_step,
+            "grad_bytes": float(self.grad_bytes),
+            "compression_ratio": self.grad_bytes / per_step if per_step else math.inf,
+        }
+        self.bytes, self.steps = 0, 0
+        return out

@@ -1,0 +1,113 @@
+"""What error feedback and CSER share: the compressor options and the combiner base."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..data import derive_seed
+from ..dist import DistEnv
+from .base import CommCounter, GradCombiner, option
+from .compressors import COMPRESSORS, Compressor, compressed_allreduce, create_compressor
+from .flat import broadcast_, model_tensors
+
+__all__ = ["CompressedCombiner", "CompressorOptions", "no_loss_scaling"]
+
+
+def _compressor_names() -> list[str]:
+    return list(COMPRESSORS)
+
+
+@dataclass(frozen=True)
+class CompressorOptions:
+    """A compressor by name and its options (``None``: the compressor's own default)."""
+
+    compressor: str | Compressor = option("topk", "the compressor", choices=_compressor_names)
+    ratio: float | None = option(
+        None,
+        "topk / randblock: fraction of the entries sent (default: the compressor's)",
+        flag="--compress-ratio",
+    )
+    levels: int | None = option(
+        None,
+        "qsgd: levels s (default: the most for which the sum of all workers fits int8)",
+        flag="--qsgd-levels",
+    )
+    bucket_size: int | None = option(
+        None, "qsgd: elements per shared norm (default: the compressor's)", flag="--qsgd-bucket"
+    )
+
+    def __post_init__(self) -> None:
+        self.build_compressor()  # validates the name and the options it takes
+
+    def build_compressor(self) -> Compressor:
+        given = {
+            k: getattr(self, k)
+            for k in ("ratio", "levels", "bucket_size")
+            if getattr(self, k) is not None
+        }
+        if isinstance(self.compressor, Compressor):
+            if given:
+                raise ValueError(
+                    f"options {', '.join(given)} configure a compressor given by name; the "
+                    f"instance {self.compressor!r} was built with its own"
+                )
+            return self.compressor
+        return create_compressor(self.compressor, **given)
+
+
+def no_loss_scaling(scaler: torch.amp.GradScaler | None, mode: str) -> None:
+    if scaler is not None:
+        raise ValueError(
+            f"combiner {mode!r} keeps residuals across steps, which fp16 loss scaling would "
+            "corrupt; train in bfloat16 or float32 precision"
+        )
+
+
+class CompressedCombiner(GradCombiner):
+    """Bare module with rank 0's weights, a compressor, per-step generators, byte counting."""
+
+    Options = CompressorOptions
+
+    def __init__(self, options: Any = None, **kwargs: Any) -> None:
+        super().__init__(options, **kwargs)
+        self.compressor = self.options.build_compressor()
+        self.steps = 0  # optimizer steps taken (seeds the generators)
+        self.counter = CommCounter()
+
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
+    ) -> nn.Module:
+        super().prepare(model, optimizer, env)
+        self.compressor.bind(env.world_size)
+        self.counter.set_model(model)
+        if env.distributed:
+            broadcast_(model_tensors(model))
+        return model
+
+    def _generators(self, salt: int) -> tuple[torch.Generator, torch.Generator]:
+        assert self.env is not None
+        shared = torch.Generator().manual_seed(derive_seed(self.seed, self.steps, salt))
+        local = torch.Generator().manual_seed(
+            derive_seed(self.seed, self.steps, salt, 1 + self.env.rank)
+        )
+        return shared, local
+
+    def _reduce(self, x: Tensor, compressor: Compressor, salt: int) -> tuple[Tensor, Tensor]:
+        assert self.env is not None
+        shared, local = self._generators(salt)
+        mean, own, sent = compressed_allreduce(compressor, x, self.env, shared=shared, local=local)
+        self.counter.add(sent if self.env.distributed else 0)
+        return mean, own
+
+    def metrics(self) -> dict[str, float]:
+        return self.counter.metrics()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.steps = int(state_dict["steps"])
