@@ -8,17 +8,17 @@ standard-library docstrings (:mod:`modelzoo.nlp.stdlib_squad`) and prints the he
 
 SQuAD v1.1 with BERT-Base, as GluonNLP users know it (flag names are GluonNLP's):
 
-    python scripts/finetune_squad.py --bert_model bert_12_768_12 \\
-        --train_file train-v1.1.json --predict_file dev-v1.1.json \\
-        --batch_size 12 --lr 3e-5 --epochs 2 --warmup_ratio 0.1 \\
-        --max_seq_length 384 --doc_stride 128 --output_dir runs/squad11
+    python scripts/finetune_squad.py --bert-model bert_12_768_12 \\
+        --train-file train-v1.1.json --predict-file dev-v1.1.json \\
+        --batch-size 12 --lr 3e-5 --epochs 2 --warmup-ratio 0.1 \\
+        --max-seq-length 384 --doc-stride 128 --output-dir runs/squad11
 
-Add ``--version_2 --null_score_diff_threshold -1.0`` with the v2.0 files. The same command
-under ``torchrun --nproc-per-node 8`` trains data-parallel (``--batch_size`` is per worker);
+Add ``--version-2 --null-score-diff-threshold -1.0`` with the v2.0 files. The same command
+under ``torchrun --nproc-per-node 8`` trains data-parallel (``--batch-size`` is per worker);
 ``--accumulate``, ``--dtype bfloat16|float16``, ``--optimizer adamw|lamb|lans`` and
-``--grad-combine adasum`` work as in every script. ``--only_predict --model_parameters
+``--grad-combine adasum`` work as in every script. ``--only-predict --model-parameters
 runs/squad11/model.safetensors`` evaluates a saved model. Predictions are written to
-``--output_dir`` (``predictions.json``, ``nbest_predictions.json``, ``null_odds.json`` for
+``--output-dir`` (``predictions.json``, ``nbest_predictions.json``, ``null_odds.json`` for
 v2.0) with the official metric; the run log (``--run-log``) can be rerun by
 ``scripts/reproduce.py``.
 """
@@ -61,6 +61,7 @@ from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
 from trainers.checkpoint import load_checkpoint
 from trainers.cli import (
+    ArgumentParser,
     add_distributed_args,
     add_optimizer_args,
     build_combiner,
@@ -97,82 +98,93 @@ SQUAD_DEFAULTS = dict(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Fine-tune BERT on SQuAD (GluonNLP-compatible flags).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     d = p.add_argument_group("data (none given: the built-in stdlib-docstring set)")
-    d.add_argument("--train_file", type=str, default=None, help="SQuAD JSON to train on")
-    d.add_argument("--predict_file", type=str, default=None, help="SQuAD JSON to evaluate on")
-    d.add_argument("--version_2", action="store_true", help="SQuAD 2.0 (unanswerable questions)")
+    d.add_argument("--train-file", type=str, default=None, help="SQuAD JSON to train on")
+    d.add_argument("--predict-file", type=str, default=None, help="SQuAD JSON to evaluate on")
+    d.add_argument("--version-2", action="store_true", help="SQuAD 2.0 (unanswerable questions)")
     d.add_argument(
-        "--skip_bad_examples",
+        "--skip-bad-examples",
         action="store_true",
         help="skip malformed questions (counted and reported) instead of stopping",
     )
-    d.add_argument("--max_seq_length", type=int, default=None, help="tokens per window")
-    d.add_argument("--doc_stride", type=int, default=None, help="tokens between window starts")
-    d.add_argument("--max_query_length", type=int, default=None, help="question tokens kept")
+    d.add_argument("--max-seq-length", type=int, default=None, help="tokens per window")
+    d.add_argument("--doc-stride", type=int, default=None, help="tokens between window starts")
+    d.add_argument("--max-query-length", type=int, default=None, help="question tokens kept")
 
     m = p.add_argument_group("model")
-    m.add_argument("--bert_model", type=str, default=None, help="a BERT from list_models()")
+    m.add_argument("--bert-model", type=str, default=None, help="a BERT from list_models()")
     m.add_argument(
-        "--bert_weights",
+        "--bert-weights",
         type=str,
         default=None,
         help="pretrained weights tag (gluonnlp, hf, sbert; default: the model's first)",
     )
     m.add_argument(
-        "--pretrained_bert_parameters",
+        "--pretrained-bert-parameters",
         type=str,
         default=None,
         help="start from this checkpoint instead: a Hugging Face directory or file, or a "
         "GluonNLP .params file",
     )
     m.add_argument(
-        "--model_parameters",
+        "--model-parameters",
         type=str,
         default=None,
         help="a fine-tuned QA model saved by this script (model.safetensors or a trainer "
-        "checkpoint .pt) to evaluate (--only_predict) or continue from",
+        "checkpoint .pt) to evaluate (--only-predict) or continue from",
     )
-    m.add_argument("--vocab_file", type=str, default=None, help="vocab.txt (default: published)")
+    m.add_argument("--vocab-file", type=str, default=None, help="vocab.txt (default: published)")
 
     add_optimizer_args(p, default="adamw")
     p.set_defaults(wd=0.01, no_wd=True)  # BERT: decay 0.01, none on LayerNorm and biases
     add_distributed_args(p)
     o = p.add_argument_group("training")
-    o.add_argument("--epochs", type=int, default=None)
-    o.add_argument("--batch_size", type=int, default=None, help="per worker and micro-step")
-    o.add_argument("--test_batch_size", type=int, default=None, help="questions per eval batch")
+    o.add_argument("--epochs", "--num-epochs", dest="epochs", type=int, default=None)
+    o.add_argument("--batch-size", type=int, default=None, help="per worker and micro-step")
+    o.add_argument("--test-batch-size", type=int, default=None, help="questions per eval batch")
     o.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    o.add_argument("--warmup_ratio", type=float, default=0.1, help="linear warmup fraction")
-    o.add_argument("--clip_grad_norm", type=float, default=1.0, help="global gradient clipping")
+    o.add_argument("--warmup-ratio", type=float, default=0.1, help="linear warmup fraction")
+    o.add_argument(
+        "--clip-grad-norm", type=float, default=1.0, help="global gradient clipping (<= 0: none)"
+    )
     o.add_argument("--dtype", type=str, default="float32", choices=sorted(DTYPES))
     o.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
     o.add_argument("--seed", type=int, default=6)
-    o.add_argument("--only_predict", action="store_true", help="evaluate only, no training")
+    o.add_argument("--only-predict", action="store_true", help="evaluate only, no training")
     o.add_argument(
-        "--eval_at_start", action="store_true", help="also evaluate before fine-tuning (step 0)"
+        "--eval-at-start", action="store_true", help="also evaluate before fine-tuning (step 0)"
     )
-    o.add_argument("--num_workers", type=int, default=0, help="DataLoader workers per rank")
+    o.add_argument(
+        "-j",
+        "--num-workers",
+        "--num-data-workers",
+        dest="num_workers",
+        type=int,
+        default=0,
+        help="DataLoader workers per rank",
+    )
 
     e = p.add_argument_group("prediction")
-    e.add_argument("--n_best_size", type=int, default=20)
-    e.add_argument("--max_answer_length", type=int, default=30)
+    e.add_argument("--n-best-size", type=int, default=20)
+    e.add_argument("--max-answer-length", type=int, default=30)
     e.add_argument(
-        "--null_score_diff_threshold",
+        "--null-score-diff-threshold",
         type=float,
         default=0.0,
         help="v2.0: predict no answer when null score - best span score exceeds this",
     )
 
     g = p.add_argument_group("logging and output")
-    g.add_argument("--output_dir", type=str, default="./output_dir")
-    g.add_argument("--log_interval", type=int, default=None, help="optimizer steps per log line")
+    g.add_argument("--output-dir", type=str, default="./output_dir")
+    g.add_argument("--log-interval", type=int, default=None, help="optimizer steps per log line")
     g.add_argument("--run-log", type=str, default=None, help="JSON Lines run log")
     g.add_argument("--logging-file", type=str, default=None, help="also write console lines here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_mxnet_options("--gpu", "--gpus", "--num-gpus", "--kvstore", "--bert-dataset")
     args = p.parse_args(argv)
 
     builtin = args.train_file is None and args.predict_file is None
@@ -182,15 +194,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.dataset = "stdlib" if builtin else "files"
     if args.max_seq_length <= args.max_query_length + 3:
         p.error(
-            f"--max_seq_length ({args.max_seq_length}) must be greater than --max_query_length "
+            f"--max-seq-length ({args.max_seq_length}) must be greater than --max-query-length "
             f"({args.max_query_length}) + 3"
         )
     if args.only_predict and not builtin and args.predict_file is None:
-        p.error("--only_predict needs --predict_file")
+        p.error("--only-predict needs --predict-file")
     if not args.only_predict and not builtin and args.train_file is None:
-        p.error("training needs --train_file (or pass --only_predict)")
+        p.error("training needs --train-file (or pass --only-predict)")
     if args.version_2 and builtin:
-        p.error("the built-in set is SQuAD 1.1; --version_2 needs --train_file/--predict_file")
+        p.error("the built-in set is SQuAD 1.1; --version-2 needs --train-file/--predict-file")
     return args
 
 
@@ -421,13 +433,13 @@ def build_model(args: argparse.Namespace, logger: RunLogger, progress: bool) -> 
         model.load_state_dict(state, strict=True)
         logger.info(f"loaded fine-tuned parameters {path}")
     if not isinstance(model, BertForQuestionAnswering):
-        raise SystemExit(f"--bert_model {args.bert_model} is not a BERT")
+        raise SystemExit(f"--bert-model {args.bert_model} is not a BERT")
     return model
 
 
 def build_tokenizer(args: argparse.Namespace, progress: bool) -> BertTokenizer:
-    """``--vocab_file``; else the vocabulary saved beside ``--model_parameters`` or
-    ``--pretrained_bert_parameters``; else the one published with the zoo weights."""
+    """``--vocab-file``; else the vocabulary saved beside ``--model-parameters`` or
+    ``--pretrained-bert-parameters``; else the one published with the zoo weights."""
     if args.vocab_file:
         return BertTokenizer.from_file(args.vocab_file)
     for source in (args.model_parameters, args.pretrained_bert_parameters):
@@ -439,14 +451,14 @@ def build_tokenizer(args: argparse.Namespace, progress: bool) -> BertTokenizer:
     source = args.pretrained_bert_parameters
     if source and Path(source).suffix != ".params":
         raise SystemExit(
-            f"--pretrained_bert_parameters {source}: no vocab.txt beside it; pass the "
-            "checkpoint's vocabulary with --vocab_file"
+            f"--pretrained-bert-parameters {source}: no vocab.txt beside it; pass the "
+            "checkpoint's vocabulary with --vocab-file"
         )
     return get_tokenizer(args.bert_model, args.bert_weights or True, progress=progress)
 
 
 def save_model(model: torch.nn.Module, tokenizer: BertTokenizer, output_dir: Path) -> Path:
-    """``model.safetensors`` + ``config.json`` + the vocabulary, for ``--model_parameters``."""
+    """``model.safetensors`` + ``config.json`` + the vocabulary, for ``--model-parameters``."""
     from safetensors.torch import save_file
 
     config: BertConfig = model.config  # type: ignore[assignment]
@@ -506,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     if train_features is not None and steps_per_epoch < 1:
         raise SystemExit(
             f"{len(train_features)} training windows are fewer than one global batch of "
-            f"{global_batch} (--batch_size x --accumulate x workers); lower --batch_size"
+            f"{global_batch} (--batch-size x --accumulate x workers); lower --batch-size"
         )
     total_steps = steps_per_epoch * args.epochs
     schedule = create_schedule(
@@ -541,9 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     metrics: dict[str, float] = {}
     if args.only_predict or args.eval_at_start:
         if eval_set is None:
-            raise SystemExit("nothing to evaluate: give --predict_file")
-        metrics = trainer.evaluate(eval_set, collate)
-        trainer.last_eval = dict(metrics)
+            raise SystemExit("nothing to evaluate: give --predict-file")
+        metrics = trainer.evaluate(eval_set, collate, remember=True)
         logger.eval(epoch=0, step=0, **metrics)
         task.finish_eval(env, logger, output_dir)
     if args.only_predict:

@@ -3,16 +3,16 @@
 Google's ``create_pretraining_data.py`` with its flag names, streaming (corpora larger than
 memory work; see :mod:`modelzoo.nlp.pretraining` for the rules and the shard format):
 
-    python scripts/prepare_bert_data.py --input_file corpus/*.txt --output_dir data/phase1 \\
-        --max_seq_length 128 --max_predictions_per_seq 20 --dupe_factor 5
-    python scripts/prepare_bert_data.py --input_file corpus/*.txt --output_dir data/phase2 \\
-        --max_seq_length 512 --max_predictions_per_seq 80 --dupe_factor 5
+    python scripts/prepare_bert_data.py --input-file corpus/*.txt --output-dir data/phase1 \\
+        --max-seq-length 128 --max-predictions-per-seq 20 --dupe-factor 5
+    python scripts/prepare_bert_data.py --input-file corpus/*.txt --output-dir data/phase2 \\
+        --max-seq-length 512 --max-predictions-per-seq 80 --dupe-factor 5
 
 Input: UTF-8 text, one sentence per line, a blank line between documents. The vocabulary is
-``--vocab_file`` (a BERT ``vocab.txt``) or the one published with ``--bert_model``'s weights
-(default: the uncased English vocabulary of ``minilm_l6_h384``, offline). ``--stdlib_corpus
+``--vocab-file`` (a BERT ``vocab.txt``) or the one published with ``--bert-model``'s weights
+(default: the uncased English vocabulary of ``minilm_l6_h384``, offline). ``--stdlib-corpus
 DIR`` first writes a corpus of the running Python's standard-library docstrings
-(``DIR/train.txt`` or ``DIR/dev.txt``, different modules) for ``--stdlib_split``. Prepare one
+(``DIR/train.txt`` or ``DIR/dev.txt``, different modules) for ``--stdlib-split``. Prepare one
 directory per phase (sequence length) and per split; the vocabulary is saved beside the shards.
 """
 
@@ -25,46 +25,47 @@ from pathlib import Path
 
 from modelzoo.nlp.pretraining import InstanceConfig, prepare_pretraining_data, write_stdlib_corpus
 from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
+from trainers.cli import ArgumentParser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Make BERT pretraining shards (masked LM + next sentence) from raw text.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--input_file", nargs="*", default=[], help="corpus text files")
+    p.add_argument("--input-file", nargs="*", default=[], help="corpus text files")
     p.add_argument(
-        "--stdlib_corpus",
+        "--stdlib-corpus",
         type=str,
         default=None,
         metavar="DIR",
         help="write the stdlib-docstring corpus into DIR and use it as the input",
     )
-    p.add_argument("--stdlib_split", choices=("train", "dev"), default="train")
-    p.add_argument("--output_dir", type=str, required=True, help="shard directory to create")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
-    p.add_argument("--vocab_file", type=str, default=None, help="BERT vocab.txt")
-    p.add_argument("--do_lower_case", type=int, default=1, choices=(0, 1))
-    p.add_argument("--bert_model", type=str, default="minilm_l6_h384", help="vocabulary source")
-    p.add_argument("--max_seq_length", type=int, default=128)
-    p.add_argument("--max_predictions_per_seq", type=int, default=20)
-    p.add_argument("--masked_lm_prob", type=float, default=0.15)
-    p.add_argument("--short_seq_prob", type=float, default=0.1)
-    p.add_argument("--random_next_prob", type=float, default=0.5)
-    p.add_argument("--whole_word_mask", action="store_true", help="mask whole words")
-    p.add_argument("--dupe_factor", type=int, default=1, help="passes with different masks")
+    p.add_argument("--stdlib-split", choices=("train", "dev"), default="train")
+    p.add_argument("--output-dir", type=str, required=True, help="shard directory to create")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output-dir")
+    p.add_argument("--vocab-file", type=str, default=None, help="BERT vocab.txt")
+    p.add_argument("--do-lower-case", type=int, default=1, choices=(0, 1))
+    p.add_argument("--bert-model", type=str, default="minilm_l6_h384", help="vocabulary source")
+    p.add_argument("--max-seq-length", type=int, default=128)
+    p.add_argument("--max-predictions-per-seq", type=int, default=20)
+    p.add_argument("--masked-lm-prob", type=float, default=0.15)
+    p.add_argument("--short-seq-prob", type=float, default=0.1)
+    p.add_argument("--random-next-prob", type=float, default=0.5)
+    p.add_argument("--whole-word-mask", action="store_true", help="mask whole words")
+    p.add_argument("--dupe-factor", type=int, default=1, help="passes with different masks")
     p.add_argument(
-        "--window_docs",
+        "--window-docs",
         type=int,
         default=256,
         help="documents held in memory (the random-next pool)",
     )
-    p.add_argument("--instances_per_shard", type=int, default=65536)
-    p.add_argument("--random_seed", type=int, default=12345)
+    p.add_argument("--instances-per-shard", type=int, default=65536)
+    p.add_argument("--random-seed", type=int, default=12345)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if not args.input_file and args.stdlib_corpus is None:
-        p.error("give --input_file FILE [FILE ...] or --stdlib_corpus DIR")
+        p.error("give --input-file FILE [FILE ...] or --stdlib-corpus DIR")
     return args
 
 

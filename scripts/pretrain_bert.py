@@ -3,31 +3,31 @@
 Two phases, as in the BERT, LAMB and LANS recipes: phase 1 on short sequences (128 tokens),
 phase 2 on long ones (512) starting from phase 1's model, each with its own batch size,
 gradient accumulation, learning rate and warmup-constant-poly schedule. Both run in one
-invocation; ``--phases 2 --phase1_model DIR`` runs phase 2 alone. It runs on the shared
+invocation; ``--phases 2 --phase1-model DIR`` runs phase 2 alone. It runs on the shared
 Trainer: one process or many under ``torchrun`` (``--grad-combine adasum``, elastic with
-``--elastic-dir``), ``--dtype bfloat16|float16``, periodic checkpoints (``--checkpoint_steps``,
+``--elastic-dir``), ``--dtype bfloat16|float16``, periodic checkpoints (``--checkpoint-steps``,
 ``--resume``). Every phase ends with a Hugging Face directory ``<output_dir>/phase<N>/model``
 (``config.json``, ``model.safetensors``, ``vocab.txt``) that ``finetune_squad.py
---pretrained_bert_parameters`` fine-tunes.
+--pretrained-bert-parameters`` fine-tunes.
 
 With no data flags it builds (once, cached under ``$MODELZOO_HOME/pretraining``) shards of
 the running Python's standard-library docstrings with MiniLM's uncased vocabulary and
 pretrains a small BERT (2 layers, width 128) from scratch; the published runs
 (``logs/bert_pretrain_*.jsonl``, commands in ``docs/pretraining.md``) use 64 and 128 tokens:
 
-    python scripts/pretrain_bert.py --optimizer lans --lr 0.05 --phase1_max_seq_length 64 \
-        --phase1_max_predictions 10 --phase2_max_seq_length 128 --phase2_max_predictions 20 \
-        --phase1_steps 48 --phase1_accumulate 8 --phase2_steps 8 --phase2_accumulate 4 \
-        --phase2_batch_size 16 --dupe_factor 2
+    python scripts/pretrain_bert.py --optimizer lans --lr 0.05 --phase1-max-seq-length 64 \
+        --phase1-max-predictions 10 --phase2-max-seq-length 128 --phase2-max-predictions 20 \
+        --phase1-steps 48 --phase1-accumulate 8 --phase2-steps 8 --phase2-accumulate 4 \
+        --phase2-batch-size 16 --dupe-factor 2
 
 BERT-Large with the LANS recipe (phase batches 96K and 33K through accumulation; shards from
 ``scripts/prepare_bert_data.py``), on 8 nodes x 8 GPUs:
 
     torchrun --nnodes 8 --nproc-per-node 8 ... scripts/pretrain_bert.py \\
-        --bert_model bert_24_1024_16 --optimizer lans --lr 0.005 --phase2_lr 0.005 \\
-        --phase1_data data/p1 --phase2_data data/p2 --phase1_steps 3519 --phase2_steps 782 \\
-        --phase1_batch_size 64 --phase1_accumulate 24 --phase2_batch_size 8 \\
-        --phase2_accumulate 66 --dtype float16 --output_dir runs/large
+        --bert-model bert_24_1024_16 --optimizer lans --lr 0.005 --phase2-lr 0.005 \\
+        --phase1-data data/p1 --phase2-data data/p2 --phase1-steps 3519 --phase2-steps 782 \\
+        --phase1-batch-size 64 --phase1-accumulate 24 --phase2-batch-size 8 \\
+        --phase2-accumulate 66 --dtype float16 --output-dir runs/large
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import copy
 import hashlib
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -58,8 +57,10 @@ from modelzoo.nlp.pretraining import (
     write_stdlib_corpus,
 )
 from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
+from modelzoo.store import cache_root
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
 from trainers.cli import (
+    ArgumentParser,
     add_distributed_args,
     add_elastic_args,
     add_optimizer_args,
@@ -84,70 +85,104 @@ PHASE_DEFAULTS = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Pretrain BERT (masked LM + next sentence) in two phases.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     d = p.add_argument_group("data (none given: built-in shards of the stdlib docstrings)")
     for phase in (1, 2):
-        d.add_argument(f"--phase{phase}_data", type=str, default=None, help="training shards")
-        d.add_argument(f"--phase{phase}_eval_data", type=str, default=None, help="held-out shards")
+        d.add_argument(f"--phase{phase}-data", type=str, default=None, help="training shards")
+        d.add_argument(f"--phase{phase}-eval-data", type=str, default=None, help="held-out shards")
     d.add_argument(
-        "--cache_dir",
+        "--cache-dir",
         type=str,
         default=None,
         help="where the built-in shards are made (default $MODELZOO_HOME/pretraining)",
     )
-    d.add_argument("--dupe_factor", type=int, default=5, help="built-in data: masking passes")
-    d.add_argument("--data_seed", type=int, default=12345, help="built-in data: instance seed")
+    d.add_argument("--dupe-factor", type=int, default=5, help="built-in data: masking passes")
+    d.add_argument("--data-seed", type=int, default=12345, help="built-in data: instance seed")
 
-    m = p.add_argument_group("model (default: a small BERT; --bert_model for a zoo size)")
-    m.add_argument("--bert_model", type=str, default=None, help="e.g. bert_12_768_12")
-    m.add_argument("--num_layers", type=int, default=2)
-    m.add_argument("--hidden_size", type=int, default=128)
-    m.add_argument("--num_heads", type=int, default=2)
-    m.add_argument("--intermediate_size", type=int, default=512)
-    m.add_argument("--max_position_embeddings", type=int, default=512)
+    m = p.add_argument_group("model (default: a small BERT; --bert-model for a zoo size)")
+    m.add_argument("--bert-model", type=str, default=None, help="e.g. bert_12_768_12")
+    m.add_argument("--num-layers", type=int, default=2)
+    m.add_argument("--hidden-size", type=int, default=128)
+    m.add_argument("--num-heads", type=int, default=2)
+    m.add_argument("--intermediate-size", type=int, default=512)
+    m.add_argument("--max-position-embeddings", type=int, default=512)
     m.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
     m.add_argument(
-        "--phase1_model",
+        "--phase1-model",
         type=str,
         default=None,
         help="phase 2 alone (--phases 2): start from this phase-1 directory",
     )
-    m.add_argument("--vocab_file", type=str, default=None, help="default: the shards' vocab.txt")
+    m.add_argument("--vocab-file", type=str, default=None, help="default: the shards' vocab.txt")
 
     add_optimizer_args(p, default="lans")
     p.set_defaults(wd=0.01, no_wd=True, epsilon=1e-6)
     add_distributed_args(p)
     add_elastic_args(p)
 
-    t = p.add_argument_group("phases (per-phase flags: --phase1_X / --phase2_X)")
+    t = p.add_argument_group("phases (per-phase flags: --phase1-X / --phase2-X)")
     t.add_argument("--phases", type=str, default="1,2", help="phases to run: 1,2 or 1 or 2")
     for phase, defaults in PHASE_DEFAULTS.items():
         for flag in PHASE_FLAGS:
             kind = float if flag in ("lr", "warmup_ratio") else int
             help_ = "default: --lr" if flag == "lr" else None
-            t.add_argument(f"--phase{phase}_{flag}", type=kind, default=defaults[flag], help=help_)
-    t.add_argument("--const_ratio", type=float, default=0.25, help="constant-lr fraction")
-    t.add_argument("--decay_power", type=float, default=1.0, help="polynomial decay degree")
-    t.add_argument("--clip_grad_norm", type=float, default=0.0, help="trainer clipping (0: off)")
+            t.add_argument(
+                f"--phase{phase}-{flag.replace('_', '-')}",
+                type=kind,
+                default=defaults[flag],
+                help=help_,
+            )
+    t.add_argument("--const-ratio", type=float, default=0.25, help="constant-lr fraction")
+    t.add_argument("--decay-power", type=float, default=1.0, help="polynomial decay degree")
+    t.add_argument(
+        "--clip-grad-norm", type=float, default=0.0, help="global gradient clipping (<= 0: none)"
+    )
     t.add_argument("--dtype", type=str, default="float32", choices=sorted(DTYPES))
     t.add_argument("--max-steps", type=int, default=None, help="stop after N steps (all phases)")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--num_workers", type=int, default=0, help="DataLoader workers per rank")
-    t.add_argument("--eval_batch_size", type=int, default=64)
-    t.add_argument("--eval_interval", type=int, default=0, help="evaluate every N steps (0: end)")
-    t.add_argument("--checkpoint_steps", type=int, default=0, help="save latest.pt every N steps")
-    t.add_argument("--resume", action="store_true", help="continue from <output_dir>'s state")
+    t.add_argument(
+        "-j",
+        "--num-workers",
+        "--num-data-workers",
+        dest="num_workers",
+        type=int,
+        default=0,
+        help="DataLoader workers per rank",
+    )
+    t.add_argument("--eval-batch-size", type=int, default=64)
+    t.add_argument(
+        "--eval-interval-steps", type=int, default=0, help="evaluate every N steps (0: at the end)"
+    )
+    t.add_argument("--checkpoint-steps", type=int, default=0, help="save latest.pt every N steps")
+    t.add_argument(
+        "--resume",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="latest",
+        help="continue from the latest checkpoint of each phase in --output-dir (pretraining "
+        "takes no checkpoint path: its phases resume from their own directories)",
+    )
 
     g = p.add_argument_group("logging and output")
-    g.add_argument("--output_dir", type=str, default="./runs/pretrain")
-    g.add_argument("--log_interval", type=int, default=10, help="optimizer steps per log line")
+    g.add_argument("--output-dir", type=str, default="./runs/pretrain")
+    g.add_argument("--log-interval", type=int, default=10, help="optimizer steps per log line")
     g.add_argument("--run-log", type=str, default=None, help="JSON Lines run log")
     g.add_argument("--logging-file", type=str, default=None, help="also write console lines here")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_renamed(
+        "--eval-interval", "--eval-interval-steps", "pretraining counts steps; it has no epochs"
+    )
+    p.add_mxnet_options("--gpus", "--num-gpus", "--kvstore", "--bert-dataset")
     args = p.parse_args(argv)
+    if args.resume not in (None, "auto"):
+        p.error(
+            f"--resume {args.resume!r}: pretraining resumes every phase from --output-dir's "
+            "checkpoints; pass --resume alone"
+        )
 
     try:
         args.phase_list = sorted({int(x) for x in args.phases.split(",") if x.strip()})
@@ -162,18 +197,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, f"phase{phase}_lr", args.lr)
         for flag in ("steps", "batch_size", "accumulate", "max_seq_length", "max_predictions"):
             if getattr(args, f"phase{phase}_{flag}") < 1:
-                p.error(f"--phase{phase}_{flag} must be >= 1")
+                p.error(f"--phase{phase}-{flag.replace('_', '-')} must be >= 1")
         if not 0 <= getattr(args, f"phase{phase}_warmup_ratio") + args.const_ratio <= 1:
-            p.error(f"--phase{phase}_warmup_ratio + --const_ratio must be in [0, 1]")
+            p.error(f"--phase{phase}-warmup-ratio + --const-ratio must be in [0, 1]")
     args.builtin = all(getattr(args, f"phase{n}_data") is None for n in args.phase_list)
     for phase in args.phase_list if args.builtin else ():
         if getattr(args, f"phase{phase}_max_seq_length") > args.max_position_embeddings:
             p.error(
-                f"--phase{phase}_max_seq_length exceeds --max_position_embeddings "
+                f"--phase{phase}-max-seq-length exceeds --max-position-embeddings "
                 f"{args.max_position_embeddings}"
             )
     if args.phase_list == [2] and args.phase1_model is None and not args.resume:
-        p.error("--phases 2 needs --phase1_model DIR (a phase-1 <output_dir>/phase1/model)")
+        p.error("--phases 2 needs --phase1-model DIR (a phase-1 <output_dir>/phase1/model)")
     return args
 
 
@@ -185,8 +220,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _cache_root(args: argparse.Namespace) -> Path:
     if args.cache_dir:
         return Path(args.cache_dir)
-    home = os.environ.get("MODELZOO_HOME") or os.path.join("~", ".cache", "modelzoo")
-    return Path(home).expanduser() / "pretraining"
+    return cache_root() / "pretraining"
 
 
 def builtin_data(
@@ -245,7 +279,7 @@ def load_tokenizer(args: argparse.Namespace) -> BertTokenizer:
         return BertTokenizer.from_dir(args.phase1_model)
     if not args.builtin:
         raise SystemExit(
-            "pretrain_bert.py: error: no vocab.txt beside the shards; pass --vocab_file"
+            "pretrain_bert.py: error: no vocab.txt beside the shards; pass --vocab-file"
         )
     return get_tokenizer("minilm_l6_h384", progress=not args.no_progress)
 
@@ -279,7 +313,7 @@ def load_phase_data(
         if train.max_seq_length > args.max_position_embeddings:
             raise SystemExit(
                 f"pretrain_bert.py: error: {train_dir} has {train.max_seq_length}-token "
-                f"instances, more than --max_position_embeddings {args.max_position_embeddings}"
+                f"instances, more than --max-position-embeddings {args.max_position_embeddings}"
             )
         out[n] = (train, dev)
     return out
@@ -420,7 +454,7 @@ def phase_model(
     if source is None or not (source / "config.json").is_file():
         raise SystemExit(
             f"pretrain_bert.py: error: phase 2 starts from phase 1's model, but {source} has no "
-            "config.json; run phase 1 first or pass --phase1_model DIR"
+            "config.json; run phase 1 first or pass --phase1-model DIR"
         )
     model = bert_from_checkpoint(source, head="pretraining")
     if model.config.vocab_size != len(tokenizer):
@@ -481,7 +515,7 @@ def run_phase(
         clip_grad_norm=args.clip_grad_norm if args.clip_grad_norm > 0 else None,
         log_interval=args.log_interval,
         eval_interval=0,
-        eval_interval_steps=args.eval_interval,
+        eval_interval_steps=args.eval_interval_steps,
         save_dir=str(save_dir),
         save_frequency=0,
         save_interval_steps=args.checkpoint_steps,
@@ -510,8 +544,7 @@ def run_phase(
         logger.eval(epoch=0, step=0, **metrics)
     trainer.fit(train, eval_dataset=dev, collate_fn=collate)
     if dev is not None and tracker.step != trainer.global_step:
-        metrics = trainer.evaluate(dev, collate)
-        trainer.last_eval = dict(metrics)
+        metrics = trainer.evaluate(dev, collate, remember=True)
         logger.eval(epoch=trainer.epoch, step=trainer.global_step, **metrics)
     return trainer
 

@@ -44,6 +44,7 @@ from modelzoo.graph.sampler import NeighborSampler
 from modelzoo.store import cache_root
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
 from trainers.cli import (
+    ArgumentParser,
     add_distributed_args,
     add_optimizer_args,
     add_schedule_args,
@@ -59,7 +60,7 @@ FULL = "full"  # the single item of a full-graph epoch or evaluation
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Train a GNN from the model zoo (node or graph classification).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -96,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="neighbours sampled per layer, e.g. 25,10 (-1: all); empty: full-graph training",
     )  # fmt: skip
     o.add_argument("--batch-size", type=int, default=1024, help="mini-batch: seeds (graphs)/worker")
-    o.add_argument("--num-epochs", type=int, default=200)
+    o.add_argument("--num-epochs", "--epochs", dest="num_epochs", type=int, default=200)
     o.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
     o.add_argument("--early-stop", type=int, default=0, help="patience in evaluations (0: off)")
     o.add_argument("--eval-interval", type=int, default=1, help="epochs between evaluations")
@@ -111,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="write the kept weights as <model>-<sha256[:8]>.pth to $MODELZOO_HOME/trained",
     )  # fmt: skip
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_mxnet_options("--gpus", "--num-gpus", "--kvstore")
     args = p.parse_args(argv)
 
     known = NODE_DATASETS + GRAPH_DATASETS
@@ -259,9 +261,8 @@ class EarlyStopping:
     """Keeps the weights of the best validation accuracy (ties: lower validation loss).
 
     With ``patience`` > 0 it ends training after that many evaluations without a better one
-    (by capping the trainer's ``max_steps`` at the current step). After every evaluation the
-    trainer's ``last_eval`` also carries ``best_epoch``, ``best_val_acc`` and
-    ``best_test_acc``, so the ``end`` record states the kept model's accuracy.
+    (:meth:`Trainer.request_stop`). Its ``final_metrics`` (``best_epoch``, ``best_val_acc``,
+    ``best_test_acc``) join the ``end`` record, which so states the kept model's accuracy.
     """
 
     def __init__(self, model: torch.nn.Module, patience: int) -> None:
@@ -286,8 +287,11 @@ class EarlyStopping:
                 trainer.logger.info(
                     f"Early stopping: no better validation accuracy in {self.bad} evaluations"
                 )
-                trainer.config.max_steps = trainer.global_step
-        trainer.last_eval = {**metrics, **self.best_metrics}
+                trainer.request_stop()
+
+    def final_metrics(self) -> dict[str, float]:
+        """The best evaluation's numbers, for the end record."""
+        return dict(self.best_metrics)
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "best_metrics": self.best_metrics, "bad": self.bad,

@@ -37,6 +37,7 @@ from modelzoo.vision.splat import set_dropblock_prob
 from modelzoo.vision.transforms import eval_transforms, train_transforms
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
 from trainers.cli import (
+    ArgumentParser,
     add_distributed_args,
     add_elastic_args,
     add_optimizer_args,
@@ -98,7 +99,7 @@ DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Train an image classifier from the model zoo (GluonCV-compatible flags).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -112,7 +113,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--rec-val", type=str, default=None)
     d.add_argument("--rec-val-idx", type=str, default=None)
     d.add_argument("--num-classes", type=int, default=None, help="RecordIO: classes (default 1000)")
-    d.add_argument("-j", "--num-data-workers", dest="num_workers", type=int, default=2)
+    d.add_argument(
+        "-j",
+        "--num-data-workers",
+        "--num-workers",
+        dest="num_workers",
+        type=int,
+        default=2,
+        help="DataLoader workers per rank",
+    )
     d.add_argument("--input-size", type=int, default=None, help="224 for ImageNet, 32 for digits")
     d.add_argument("--crop-ratio", type=float, default=None, help="eval resize = input / crop")
     d.add_argument("--rgb-mean", type=str, default=None, help="0-255 units, comma separated")
@@ -147,7 +156,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dropblock-prob", type=float, default=0.0, help="DropBlock, ramped linearly over training"
     )
     m.add_argument("--final-drop", type=float, default=0.0, help="dropout before the classifier")
-    m.add_argument("--resume", type=str, default=None, help="checkpoint to continue from")
+    m.add_argument(
+        "--resume",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="PATH",
+        help="continue from this checkpoint; alone: <save-dir>/latest.pt",
+    )
     m.add_argument(
         "--teacher", type=str, default=None, help="distil from this pretrained zoo model"
     )
@@ -165,20 +181,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_elastic_args(p)
     o = p.add_argument_group("training")
     o.add_argument("--batch-size", type=int, default=None, help="per worker")
-    o.add_argument("--num-epochs", type=int, default=None)
+    o.add_argument("--num-epochs", "--epochs", dest="num_epochs", type=int, default=None)
     o.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
     o.add_argument(
         "--label-smoothing",
         type=float,
+        nargs="?",
+        const=0.1,
         default=None,
-        help="GluonCV passes it as a flag; here a value (ImageNet default 0, digits 0.1)",
+        metavar="ETA",
+        help="smooth the targets by ETA; alone (GluonCV's switch): 0.1 (default: ImageNet 0, "
+        "digits 0.1)",
     )
     o.add_argument("--mixup", action="store_true")
     o.add_argument("--mixup-alpha", type=float, default=0.2)
     o.add_argument("--mixup-off-epoch", type=int, default=0, help="no mixup in the last N epochs")
     o.add_argument("--dtype", type=str, default="float32", choices=sorted(DTYPES))
     o.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    o.add_argument("--clip-grad-norm", type=float, default=None)
+    o.add_argument(
+        "--clip-grad-norm", type=float, default=None, help="global gradient clipping (<= 0: none)"
+    )
     o.add_argument("--channels-last", action="store_true")
     o.add_argument("--seed", type=int, default=0)
 
@@ -200,6 +222,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="JSON Lines run log (default: <save-dir>/run.jsonl)",
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_mxnet_options("--num-gpus", "--gpus", "--kvstore", "--mode")
     args = p.parse_args(argv)
 
     digits = args.data_dir is None and not args.use_rec
@@ -333,6 +356,16 @@ class DropBlockRamp:
         set_dropblock_prob(self.model, min(1.0, epoch / max(1, self.epochs - 1)))
 
 
+def _resume_path(args: argparse.Namespace) -> Path:
+    if args.resume != "auto":
+        return Path(args.resume)
+    if args.save_dir is None:
+        raise SystemExit(
+            "--resume without a path continues from <save-dir>/latest.pt: pass --save-dir"
+        )
+    return Path(args.save_dir) / "latest.pt"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = DistEnv.from_env()
@@ -379,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size,
         grad_accum_steps=args.accumulate,
         precision=DTYPES[args.dtype],
-        clip_grad_norm=args.clip_grad_norm,
+        clip_grad_norm=args.clip_grad_norm if (args.clip_grad_norm or 0) > 0 else None,
         log_interval=args.log_interval,
         save_dir=args.save_dir,
         save_frequency=args.save_frequency,
@@ -398,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     task.trainer = trainer
     build_elastic(args, trainer)  # with --elastic-dir: fit() resumes from its state
     if args.resume:
-        trainer.resume(args.resume)
+        trainer.resume(_resume_path(args))
 
     start = time.perf_counter()
     metrics = trainer.fit(train_set, eval_dataset=val_set)

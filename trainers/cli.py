@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,6 +26,8 @@ from .optim import create_optimizer, list_optimizers, optimizer_accepts
 from .schedules import SCHEDULE_MODES, LRSchedule
 
 __all__ = [
+    "MXNET_OPTIONS",
+    "ArgumentParser",
     "add_distributed_args",
     "add_elastic_args",
     "add_optimizer_args",
@@ -39,6 +43,92 @@ __all__ = [
     "run_configs",
     "schedule_config",
 ]
+
+
+# ---- the parser every script uses ---------------------------------------------------------------
+# MXNet/GluonCV/GluonNLP options that have no meaning here: accepted, with a one-line note.
+MXNET_OPTIONS: dict[str, tuple[str | None, str]] = {
+    # flag: (metavar, what it means here); metavar None: a switch
+    "--num-gpus": ("N", "GPUs: launch one process per GPU with torchrun --nproc-per-node N"),
+    "--gpus": ("IDS", "GPUs: launch one process per GPU with torchrun --nproc-per-node N"),
+    "--gpu": ("ID", "GPUs: launch one process per GPU with torchrun --nproc-per-node N"),
+    "--kvstore": ("TYPE", "gradient exchange: torch.distributed (see --grad-combine)"),
+    "--mode": (
+        "MODE",
+        "MXNet's hybrid (graph) / imperative execution: PyTorch runs eagerly here, in both",
+    ),
+    "--bert-dataset": (
+        "NAME",
+        "GluonNLP's pretraining corpus name: the vocabulary and weights come from --bert-model",
+    ),
+}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` with the conventions every script shares.
+
+    * No abbreviations: an unknown option is an error, never a prefix of another one
+      (``--mode hybrid`` is not ``--model hybrid``).
+    * One vocabulary, dashed names: ``--max_seq_length`` is accepted for
+      ``--max-seq-length`` (GluonCV and GluonNLP spell their flags both ways).
+    * :meth:`add_mxnet_options`: MXNet-only options (``--num-gpus``, ``--gpus``, ...) are
+      accepted, and a one-line note says what they mean here.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+        self._mxnet: dict[str, str] = {}
+
+    def add_mxnet_options(self, *flags: str) -> None:
+        """Accept MXNet-only options (all of :data:`MXNET_OPTIONS` by default) with a note."""
+        g = self.add_argument_group("MXNet options (accepted; see the note each one prints)")
+        for flag in flags or tuple(MXNET_OPTIONS):
+            metavar, note = MXNET_OPTIONS[flag]
+            dest = "mxnet_" + flag[2:].replace("-", "_")
+            if metavar is None:
+                g.add_argument(flag, dest=dest, action="store_true", help=f"ignored: {note}")
+            else:  # a value, or none (GluonNLP's bare --gpu)
+                g.add_argument(
+                    flag, dest=dest, metavar=metavar, nargs="?", const=True, help=f"ignored: {note}"
+                )
+            self._mxnet[dest] = f"note: {flag} is an MXNet option; {note}"
+
+    def add_renamed(self, old: str, new: str, why: str) -> None:
+        """``old`` is an error that names ``new`` (a flag whose meaning here differs)."""
+        message = f"{old} is not an option of this script: use {new} ({why})"
+
+        class Renamed(argparse.Action):
+            def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+                parser.error(message)
+
+        self.add_argument(old, nargs="?", action=Renamed, help=argparse.SUPPRESS)
+
+    def _dashed(self, args: list[str]) -> list[str]:
+        out = []
+        known = self._option_string_actions
+        for token in args:
+            if token == "--":
+                out.extend(args[len(out) :])
+                break
+            if token.startswith("--") and "_" in token:
+                name, eq, value = token.partition("=")
+                dashed = "--" + name[2:].replace("_", "-")
+                if name not in known and dashed in known:
+                    token = dashed + eq + value
+            out.append(token)
+        return out
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        argv = list(sys.argv[1:] if args is None else args)
+        parsed, rest = super().parse_known_args(self._dashed(argv), namespace)
+        for dest, note in self._mxnet.items():
+            if getattr(parsed, dest, None) not in (None, False):
+                print(note, file=sys.stderr)
+        return parsed, rest
 
 
 def _bounds(text: str) -> tuple[float | None, float | None]:

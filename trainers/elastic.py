@@ -44,7 +44,8 @@ The schedule itself (warm-up, cosine, ...) is a function of the step built by th
 for the *current* world size; to keep its progress in epochs continuous, its argument
 becomes ``t + offset`` where the offset is updated on each change so that the position in
 samples is kept (``(g + offset_old) * W_old / W_new - g``). Without a change the offset is 0
-and the schedule sees exactly the step it sees without elastic training.
+and the schedule sees exactly the step it sees without elastic training. The trainer asks the
+state for both (``schedule_position`` and ``lr_factor``, see :meth:`Trainer.lr_at`).
 
 **Momentum buffers**: torch's ``SGD`` (also Nesterov) keeps ``b = mu b + g`` and applies
 ``lr`` at the update, Adam/AdamW/LAMB/LANS keep moments of gradients: none folds ``lr``
@@ -74,7 +75,7 @@ import os
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -181,46 +182,14 @@ def rescale_folded_momentum(optimizer: torch.optim.Optimizer, ratio: float) -> i
     return count
 
 
-class _ElasticLR:
-    """The trainer's schedule seen through the elastic state: position offset x ramp factor.
-
-    Installed as ``trainer.lr_schedule``; the trainer calls it once per optimizer step with
-    the 0-based step, right before the step (that is also when folded momentum is rescaled).
-    """
-
-    def __init__(
-        self, state: ElasticState, base: Callable[[Any], float] | None, constant: float
-    ) -> None:
-        self.state = state
-        self.base = base
-        self.constant = constant
-
-    def __call__(self, step: int) -> float:
-        st = self.state
-        position: float = step if st.schedule_offset == 0 else step + st.schedule_offset
-        lr = float(self.base(position)) if self.base is not None else self.constant
-        factor = st.ramp.factor(step)
-        if st._rescaled_step != step:  # once per step, even if called twice
-            previous = st.ramp.factor(step - 1)
-            if step > 0 and previous > 0:
-                rescale_folded_momentum(st.trainer.optimizer, factor / previous)
-            st._rescaled_step = step
-        return lr * factor
-
-    def state_dict(self) -> dict[str, Any] | None:
-        return self.base.state_dict() if hasattr(self.base, "state_dict") else None
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if hasattr(self.base, "load_state_dict"):
-            self.base.load_state_dict(state_dict)  # type: ignore[union-attr]
-
-
 # -- the state -------------------------------------------------------------------------------
 class ElasticState:
     """Commits, durable checkpoints and membership changes for one :class:`Trainer`.
 
-    Creating it registers it as one of the trainer's hooks (and wraps its lr schedule, see
-    the module docstring); :meth:`Trainer.fit` then drives it. Every rank creates one with
+    Creating it registers it as one of the trainer's hooks (:meth:`Trainer.add_hook`); it
+    never writes the trainer's fields: the trainer asks it where to read the schedule
+    (:meth:`schedule_position`) and for the lr factor (:meth:`lr_factor`), see the module
+    docstring, and :meth:`Trainer.fit` drives the rest. Every rank creates one with
     the same arguments; ``directory`` must be the same shared path for every node.
 
     Args:
@@ -285,8 +254,8 @@ class ElasticState:
         self._ledger_batches: Any = None
         self._ledger_left = 0
 
-        self._install_lr()
-        trainer.hooks.append(self)
+        self._check_lr()
+        trainer.add_hook(self)
 
     @staticmethod
     def has_checkpoint(directory: str | os.PathLike[str]) -> bool:
@@ -366,10 +335,25 @@ class ElasticState:
         return True
 
     def lr_factor(self, step: int | None = None) -> float:
-        """The ramp's lr factor at ``step`` (default: the next step)."""
+        """The ramp's lr factor at ``step`` (default: the next step); the trainer multiplies
+        its scheduled lr by it."""
         return self.ramp.factor(self.trainer.global_step if step is None else step)
 
+    def schedule_position(self, step: float) -> float:
+        """Where the trainer reads its schedule for ``step``: the position in samples is kept
+        across world-size changes (``step + schedule_offset``)."""
+        return step if self.schedule_offset == 0 else step + self.schedule_offset
+
     # -- trainer hooks -------------------------------------------------------------------------
+    def on_before_step(self, trainer: Trainer, step: int) -> None:
+        """Dynamic SGD: when the lr factor changes, rescale lr-folded momentum (once a step)."""
+        if self._rescaled_step == step:
+            return
+        previous = self.ramp.factor(step - 1)
+        if step > 0 and previous > 0:
+            rescale_folded_momentum(trainer.optimizer, self.ramp.factor(step) / previous)
+        self._rescaled_step = step
+
     def on_train_start(self, trainer: Trainer) -> None:
         if self.run_id is not None:  # a later fit() in this process (e.g. after restore())
             return
@@ -441,7 +425,8 @@ class ElasticState:
         self._rescaled_step = None
 
     # -- internals -------------------------------------------------------------------------------
-    def _install_lr(self) -> None:
+    def _check_lr(self) -> None:
+        """The trainer's schedule must let the lr factor apply (see :meth:`Trainer.lr_at`)."""
         trainer = self.trainer
         schedule = trainer.lr_schedule
         if isinstance(schedule, torch.optim.lr_scheduler.LRScheduler):
@@ -452,10 +437,7 @@ class ElasticState:
                     "one, or use lr_scaling='none'"
                 )
             return
-        constant = 0.0
-        if schedule is None:
-            if self.lr_scaling == "none":
-                return
+        if schedule is None and self.lr_scaling != "none":
             groups = trainer.optimizer.param_groups
             base_lrs = {g["lr"] / g.get("lr_scale", 1.0) for g in groups}
             if len(base_lrs) > 1:
@@ -463,8 +445,6 @@ class ElasticState:
                     "parameter groups have different learning rates and no 'lr_scale'; give "
                     "the trainer an lr_schedule or set lr_scale on the groups"
                 )
-            constant = float(base_lrs.pop())
-        trainer.lr_schedule = _ElasticLR(self, schedule, constant)
 
     def _start_generation(self, restored_step: int, run_id: str) -> None:
         self.run_id = run_id

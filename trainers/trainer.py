@@ -24,10 +24,16 @@ Contracts with the script:
   loss_sum, "count": n}``.
 * Hooks: any objects with some of ``on_train_start(trainer)``, ``on_epoch_start(trainer,
   epoch)``, ``on_step_end(trainer, step)``, ``on_epoch_end(trainer, epoch, metrics)``,
-  ``on_eval_end(trainer, metrics)``, ``on_train_end(trainer, metrics)`` and optionally
-  ``state_dict()``/``load_state_dict()`` (saved in checkpoints). ``on_epoch_start`` is called
-  again when a run resumes mid-epoch, so make it a function of the epoch (DropBlock ramp,
-  mixup off-epoch).
+  ``on_eval_end(trainer, metrics)``, ``on_train_end(trainer, metrics)``,
+  ``on_before_step(trainer, step)`` (after the gradients are final, before the lr is set and
+  the optimizer steps) and optionally ``state_dict()``/``load_state_dict()`` (saved in
+  checkpoints). ``on_epoch_start`` is called again when a run resumes mid-epoch, so make it
+  a function of the epoch (DropBlock ramp, mixup off-epoch). Hooks never write the
+  trainer's fields; they steer it through questions the trainer asks and public calls:
+  ``schedule_position(step) -> float`` (where the schedule is read for ``step``),
+  ``lr_factor(step) -> float`` (a multiplier of the scheduled lr), ``final_metrics() ->
+  dict`` (merged into the end record), :meth:`Trainer.request_stop` and
+  :meth:`Trainer.evaluate`. Add one after construction with :meth:`Trainer.add_hook`.
 * ``lr_schedule``: ``None`` (keep the optimizer's lr), a callable ``step -> lr`` of the
   0-based global optimizer step (e.g. :class:`trainers.schedules.LRSchedule`; each group
   gets ``lr * group.get("lr_scale", 1)``), or a ``torch.optim.lr_scheduler.LRScheduler``
@@ -278,6 +284,12 @@ class Trainer:
         self.last_eval: dict[str, float] = {}
         self.last_epoch: dict[str, float] = {}
 
+        self._stop_requested = False  # set by request_stop(): fit ends before the next step
+        # The lr each group had at construction (divided by its lr_scale): the base that
+        # hooks' lr factors multiply when there is no schedule.
+        self._base_lr = float(optimizer.param_groups[0]["lr"]) / optimizer.param_groups[0].get(
+            "lr_scale", 1.0
+        )
         self._paused = 0.0  # seconds spent evaluating and saving (excluded from speed)
         self._last_saved_step: int | None = None
         self.train_sampler: ShardedSampler | None = None  # fit's sampler (read by hooks)
@@ -384,11 +396,47 @@ class Trainer:
             self._save_named("latest.pt")
         total_time = time.perf_counter() - fit_start
         final = dict(self.last_eval)
+        for hook in self.hooks:
+            more = getattr(hook, "final_metrics", None)
+            if more is not None:
+                final.update(more())
         if "loss" in self.last_epoch:
             final["train_loss"] = self.last_epoch["loss"]
         self.logger.end(total_time=total_time, steps=self.global_step, epochs=self.epoch, **final)
         self._call_hooks("on_train_end", final)
         return final
+
+    # ======================================================================================
+    # what hooks may call
+    # ======================================================================================
+    def add_hook(self, hook: Any) -> None:
+        """Append ``hook`` (called after the hooks given at construction)."""
+        self.hooks.append(hook)
+
+    def request_stop(self) -> None:
+        """End :meth:`fit` before the next optimizer step (e.g. early stopping)."""
+        self._stop_requested = True
+
+    def lr_at(self, step: int) -> float:
+        """The base lr of the 0-based optimizer step ``step``: the schedule, read where the
+        hooks' ``schedule_position`` says, times their ``lr_factor``s. No side effects."""
+        schedule = self.lr_schedule
+        factors = [h.lr_factor for h in self.hooks if hasattr(h, "lr_factor")]
+        if isinstance(schedule, torch.optim.lr_scheduler.LRScheduler):
+            return float(schedule.get_last_lr()[0])
+        if schedule is None:
+            if not factors:
+                return float(self.optimizer.param_groups[0]["lr"])
+            lr = self._base_lr
+        else:
+            position: float = step
+            for hook in self.hooks:
+                if hasattr(hook, "schedule_position"):
+                    position = hook.schedule_position(position)
+            lr = float(schedule(position))
+        for factor in factors:
+            lr = lr * factor(step)
+        return lr
 
     def _end_epoch(
         self,
@@ -444,6 +492,7 @@ class Trainer:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
+        self._call_hooks("on_before_step", self.global_step)
         lr = self._apply_lr()
         self.combiner.step(self.optimizer, self.scaler)
         if self.scaler is not None:
@@ -456,11 +505,11 @@ class Trainer:
     def _apply_lr(self) -> float:
         """Set every group's lr for the coming step; returns the base lr (for the logs)."""
         schedule = self.lr_schedule
-        if schedule is None:
-            return float(self.optimizer.param_groups[0]["lr"])
-        if isinstance(schedule, torch.optim.lr_scheduler.LRScheduler):
-            return float(schedule.get_last_lr()[0])
-        lr = float(schedule(self.global_step))
+        if isinstance(schedule, torch.optim.lr_scheduler.LRScheduler) or (
+            schedule is None and not any(hasattr(h, "lr_factor") for h in self.hooks)
+        ):
+            return self.lr_at(self.global_step)
+        lr = self.lr_at(self.global_step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
         return lr
@@ -499,6 +548,8 @@ class Trainer:
         return self._epoch_seconds + _elapsed(*self._epoch_clock, self._paused)
 
     def _reached_max_steps(self) -> bool:
+        if self._stop_requested:
+            return True
         return self.config.max_steps is not None and self.global_step >= self.config.max_steps
 
     # ======================================================================================
@@ -556,14 +607,19 @@ class Trainer:
     # ======================================================================================
     @torch.no_grad()
     def evaluate(
-        self, dataset: Dataset, collate_fn: Callable[[list[Any]], Any] | None = None
+        self,
+        dataset: Dataset,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        *,
+        remember: bool = False,
     ) -> dict[str, float]:
         """Run ``eval_step`` over ``dataset`` (each sample exactly once across ranks).
 
         Returns the all-reduced sums turned into means (the ``"count"`` rule). Training
         randomness is untouched: the RNG state is restored afterwards. The combiner's
         ``synchronize()`` runs first, so replicas that drifted apart (local SGD, CSER) are
-        made equal and the evaluated model is the same on every rank.
+        made equal and the evaluated model is the same on every rank. ``remember=True``
+        makes them the trainer's ``last_eval`` (the end record's metrics).
         """
         if self.eval_step is None:
             raise ValueError("evaluation needs an eval_step; pass eval_step= to the Trainer")
@@ -591,7 +647,10 @@ class Trainer:
         finally:
             self.model.train(was_training)
         keys = sorted({k for ks in env.all_gather_object(sorted(meter.sums)) for k in ks})
-        return meter.reduce(env, keys)[1]
+        metrics = meter.reduce(env, keys)[1]
+        if remember:
+            self.last_eval = dict(metrics)
+        return metrics
 
     def _evaluate_and_log(
         self, dataset: Dataset | None, collate_fn: Callable[[list[Any]], Any] | None

@@ -51,6 +51,8 @@ from PIL import Image
 
 from modelzoo.vision.transforms import ImageDecodeError, decode_rgb
 
+from ..store import cache_root
+
 __all__ = [
     "IMG_EXTENSIONS",
     "BadImageError",
@@ -683,8 +685,7 @@ _DIGITS_PARAMS = {
 
 
 def _default_digits_root() -> Path:
-    home = os.environ.get("MODELZOO_HOME") or os.path.join("~", ".cache", "modelzoo")
-    return Path(home).expanduser() / "datasets" / "digits"
+    return cache_root() / "datasets" / "digits"
 
 
 def _digits_manifest_ok(root: Path) -> bool:

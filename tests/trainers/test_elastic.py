@@ -92,7 +92,7 @@ def test_world_size_change_sets_ramp_schedule_offset_and_logs_membership(tmp_pat
     # The schedule keeps its position in samples: step 6 at batch 8 = step 3 at batch 16.
     for step, factor in zip(range(6, 12), [1.25, 1.5, 1.75, 2.0, 2.0, 2.0], strict=True):
         position = 3 + (step - 6)
-        assert second.lr_schedule(step) == pytest.approx(lr_fn(position) * factor, rel=1e-12)
+        assert second.lr_at(step) == pytest.approx(lr_fn(position) * factor, rel=1e-12)
 
 
 def _unfinish(directory: Path) -> None:

@@ -145,7 +145,9 @@ def test_adamw_gets_betas_eps_and_extra_kwargs():
 
 
 def test_unknown_name_lists_available():
-    with pytest.raises(ValueError, match="unknown optimizer .rmsprop.*adamw, lamb, lans, nag, sgd"):
+    with pytest.raises(
+        ValueError, match="unknown optimizer .rmsprop.*adamw, bertadam, lamb, lans, nag, sgd"
+    ):
         create_optimizer("rmsprop", Net(), lr=0.1)
 
 
@@ -175,3 +177,37 @@ def test_register_optimizer_class_gets_only_named_options(monkeypatch):
     assert opt.param_groups[1]["no_wd"] and opt.param_groups[0]["betas"] == (0.5, 0.6)
     with pytest.raises(ValueError, match="already registered"):
         register_optimizer("toy")(Toy)
+
+
+def test_bertadam_follows_gluonnlps_update():
+    """Oracle: GluonNLP's BERTAdam as its code applies it (adamw_update with the
+    bias-corrected step size as eta), written in numpy."""
+    import math
+
+    import numpy as np
+
+    from trainers.optim import BertAdam
+
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal((5, 3))
+    grads = [rng.standard_normal((5, 3)) for _ in range(4)]
+    lr, b1, b2, eps, wd = 0.01, 0.9, 0.999, 1e-6, 0.01
+    w, m, v = w0.copy(), np.zeros_like(w0), np.zeros_like(w0)
+    for t, g in enumerate(grads, start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        eta = lr * math.sqrt(1 - b2**t) / (1 - b1**t)
+        w = w - eta * (m / (np.sqrt(v) + eps) + wd * w)
+    p = torch.nn.Parameter(torch.tensor(w0))
+    opt = BertAdam([p], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    for g in grads:
+        p.grad = torch.tensor(g)
+        opt.step()
+    np.testing.assert_allclose(p.detach().numpy(), w, rtol=1e-12, atol=1e-12)
+    # ... and it is not torch's AdamW (eps and the weight decay are corrected differently).
+    q = torch.nn.Parameter(torch.tensor(w0))
+    adamw = torch.optim.AdamW([q], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    for g in grads:
+        q.grad = torch.tensor(g)
+        adamw.step()
+    assert not np.allclose(q.detach().numpy(), w, rtol=1e-9, atol=1e-9)

@@ -331,3 +331,79 @@ def test_a_custom_combiner_plugs_in_without_touching_the_loop(tmp_path):
     again = make_trainer(make_mlp(), cfg, combiner=DeltaCombiner())
     again.resume(tmp_path / "c.pt")
     assert again.combiner.steps == 4
+
+
+# ================================================================================================
+# hooks steer the trainer through questions and public calls, never by writing its fields
+# ================================================================================================
+class _StopAt:
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, trainer, step):
+        if step == self.step:
+            trainer.request_stop()
+
+
+def test_request_stop_ends_fit_after_the_step():
+    """Oracle: the plain loop for the same number of steps."""
+    data = ToyDataset(40)
+    trainer = make_trainer(make_mlp(), TrainerConfig(epochs=3, batch_size=8, seed=1))
+    trainer.add_hook(_StopAt(7))
+    trainer.fit(data)
+    reference = plain_loop(make_mlp(), data, batch=8, steps=7, seed=1)
+    assert trainer.global_step == 7 and trainer.config.max_steps is None
+    for got, want in zip(params(trainer.model), params(reference), strict=True):
+        assert torch.equal(got, want)
+
+
+class _Shift:
+    """Reads the schedule 2 steps ahead and halves it from step 3 on."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float]] = []
+
+    def schedule_position(self, step):
+        return step + 2
+
+    def lr_factor(self, step):
+        return 0.5 if step >= 3 else 1.0
+
+    def on_before_step(self, trainer, step):
+        self.seen.append((step, None))
+
+    def on_step_end(self, trainer, step):
+        self.seen[-1] = (step - 1, trainer.optimizer.param_groups[0]["lr"])
+
+
+def test_hooks_give_the_schedule_position_and_an_lr_factor():
+    hook = _Shift()
+    trainer = make_trainer(make_mlp(), TrainerConfig(epochs=1, batch_size=8, seed=1), hooks=[hook])
+    trainer.fit(ToyDataset(40))
+    assert [s for s, _ in hook.seen] == [0, 1, 2, 3, 4]
+    for step, lr in hook.seen:
+        want = lr_fn(step + 2) * (0.5 if step >= 3 else 1.0)
+        assert lr == want and trainer.lr_at(step) == want
+
+
+class _Best:
+    def final_metrics(self):
+        return {"best_thing": 42.0}
+
+
+def test_final_metrics_join_the_end_record_and_evaluate_can_remember(tmp_path):
+    log = tmp_path / "run.jsonl"
+    logger = RunLogger(log, console=False)
+    trainer = make_trainer(
+        make_mlp(), TrainerConfig(epochs=1, batch_size=8, seed=1), logger=logger, hooks=[_Best()]
+    )
+    final = trainer.fit(ToyDataset(40), eval_dataset=ToyDataset(10, seed=5))
+    logger.close()
+    end = json.loads(log.read_text().splitlines()[-1])
+    assert end["kind"] == "end" and end["best_thing"] == 42.0 and final["best_thing"] == 42.0
+    assert end["top1"] == trainer.last_eval["top1"]
+    before = dict(trainer.last_eval)
+    metrics = trainer.evaluate(ToyDataset(12, seed=9))  # another set: another loss
+    assert metrics["loss"] != before["loss"] and trainer.last_eval == before  # not remembered
+    trainer.evaluate(ToyDataset(12, seed=9), remember=True)
+    assert trainer.last_eval == metrics

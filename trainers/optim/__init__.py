@@ -1,6 +1,8 @@
 """Optimizers for the shared trainer: a registry-backed factory, no-weight-decay groups, and
-the large-batch optimizers LAMB and LANS (registered as ``"lamb"`` and ``"lans"``)."""
+the large-batch optimizers LAMB and LANS (registered as ``"lamb"`` and ``"lans"``), and
+GluonNLP's BERTAdam (``"bertadam"``)."""
 
+from .bertadam import BertAdam
 from .factory import (
     create_optimizer,
     list_optimizers,
@@ -12,6 +14,7 @@ from .lamb import Lamb
 from .lans import Lans
 
 __all__ = [
+    "BertAdam",
     "Lamb",
     "Lans",
     "create_optimizer",
