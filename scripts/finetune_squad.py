@@ -61,6 +61,7 @@ from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
 from trainers.checkpoint import load_checkpoint
 from trainers.cli import (
+    DTYPES,
     ArgumentParser,
     add_distributed_args,
     add_optimizer_args,
@@ -71,7 +72,6 @@ from trainers.cli import (
 from trainers.logs import format_metrics
 from trainers.schedules import create_schedule
 
-DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # What a newcomer gets with no data flags: MiniLM on the built-in stdlib set, CPU-sized.
 BUILTIN_DEFAULTS = dict(
     bert_model="minilm_l6_h384",

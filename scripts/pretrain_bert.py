@@ -60,6 +60,7 @@ from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
 from modelzoo.store import cache_root
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
 from trainers.cli import (
+    DTYPES,
     ArgumentParser,
     add_distributed_args,
     add_elastic_args,
@@ -72,7 +73,6 @@ from trainers.cli import (
 )
 from trainers.schedules import create_schedule
 
-DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 PHASE_FLAGS = ("max_seq_length", "max_predictions", "steps", "batch_size", "accumulate", "lr",
                "warmup_ratio")  # fmt: skip
 # phase -> defaults of the flags above (the LANS recipe's shape, CPU-sized steps).

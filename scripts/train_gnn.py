@@ -23,7 +23,6 @@ Lines run log (``--run-log``) that ``scripts/reproduce.py`` reruns and compares.
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import io
 import math
@@ -53,6 +52,7 @@ from trainers.cli import (
     build_schedule,
     run_configs,
 )
+from trainers.hooks import EarlyStopping
 
 NODE_DATASETS = ("karate", "sbm", "cora", "citeseer", "pubmed", "npz")
 GRAPH_DATASETS = ("sbm_graphs",)
@@ -257,52 +257,6 @@ class GraphClassificationTask:
         return out
 
 
-class EarlyStopping:
-    """Keeps the weights of the best validation accuracy (ties: lower validation loss).
-
-    With ``patience`` > 0 it ends training after that many evaluations without a better one
-    (:meth:`Trainer.request_stop`). Its ``final_metrics`` (``best_epoch``, ``best_val_acc``,
-    ``best_test_acc``) join the ``end`` record, which so states the kept model's accuracy.
-    """
-
-    def __init__(self, model: torch.nn.Module, patience: int) -> None:
-        self.model, self.patience = model, patience
-        self.best: tuple[float, float] | None = None
-        self.best_metrics: dict[str, float] = {}
-        self.best_state: dict[str, torch.Tensor] | None = None
-        self.bad = 0
-
-    def on_eval_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        score = (metrics["val_acc"], -metrics["val_loss"])
-        if self.best is None or score > self.best:
-            self.best, self.bad = score, 0
-            self.best_state = copy.deepcopy(self.model.state_dict())
-            self.best_metrics = {
-                "best_epoch": trainer.epoch, "best_val_acc": metrics["val_acc"],
-                "best_test_acc": metrics["test_acc"],
-            }  # fmt: skip
-        else:
-            self.bad += 1
-            if self.patience and self.bad >= self.patience:
-                trainer.logger.info(
-                    f"Early stopping: no better validation accuracy in {self.bad} evaluations"
-                )
-                trainer.request_stop()
-
-    def final_metrics(self) -> dict[str, float]:
-        """The best evaluation's numbers, for the end record."""
-        return dict(self.best_metrics)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "best_metrics": self.best_metrics, "bad": self.bad,
-                "best_state": self.best_state}  # fmt: skip
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best = tuple(state["best"]) if state["best"] is not None else None
-        self.best_metrics, self.bad = dict(state["best_metrics"]), int(state["bad"])
-        self.best_state = state["best_state"]
-
-
 def export_weights(model: torch.nn.Module, name: str, directory: Path) -> Path:
     """Write the state dict as ``<name>-<sha256[:8]>.pth`` (temp file, then rename)."""
     buffer = io.BytesIO()
@@ -391,7 +345,13 @@ def main(argv: list[str] | None = None) -> int:
         drop_last=False,
         progress=not args.no_progress,
     )
-    stopper = EarlyStopping(model, args.early_stop)
+    stopper = EarlyStopping(
+        model,
+        score=lambda m: (m["val_acc"], -m["val_loss"]),  # ties in accuracy: lower loss
+        patience=args.early_stop,
+        report={"best_val_acc": "val_acc", "best_test_acc": "test_acc"},
+        name="validation accuracy",
+    )
     trainer = Trainer(
         model, optimizer, config, env=env, logger=logger, lr_schedule=schedule,
         train_step=task.train_step, eval_step=task.eval_step,

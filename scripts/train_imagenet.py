@@ -29,14 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import modelzoo
 from modelzoo.vision.data import ImageFolder, RecordIODataset, digits_imagefolder
-from modelzoo.vision.splat import set_dropblock_prob
+from modelzoo.vision.tasks import DropBlockRamp, ImageClassificationTask
 from modelzoo.vision.transforms import eval_transforms, train_transforms
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
 from trainers.cli import (
+    DTYPES,
     ArgumentParser,
     add_distributed_args,
     add_elastic_args,
@@ -95,7 +95,6 @@ IMAGENET_DEFAULTS = dict(
     last_gamma=False,
     no_wd=False,
 )
-DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -284,78 +283,6 @@ def build_datasets(args: argparse.Namespace) -> tuple[Any, Any, int]:
     return train, val, len(train.classes)
 
 
-def smooth_one_hot(labels: torch.Tensor, num_classes: int, smoothing: float) -> torch.Tensor:
-    off = smoothing / num_classes
-    return torch.full((labels.shape[0], num_classes), off, device=labels.device).scatter_(
-        1, labels[:, None], 1.0 - smoothing + off
-    )
-
-
-class ImageClassificationTask:
-    """The per-batch work of image classification: mixup, smoothing, distillation, metrics."""
-
-    def __init__(self, args: argparse.Namespace, num_classes: int, teacher: torch.nn.Module | None):
-        self.args = args
-        self.num_classes = num_classes
-        self.teacher = teacher
-        self.trainer: Trainer | None = None
-
-    def mixup_active(self) -> bool:
-        epoch = self.trainer.epoch if self.trainer is not None else 0
-        return self.args.mixup and epoch < self.args.num_epochs - self.args.mixup_off_epoch
-
-    def train_step(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-        images, labels = batch
-        targets = smooth_one_hot(labels, self.num_classes, self.args.label_smoothing)
-        dominant = labels
-        if self.mixup_active():
-            lam = float(
-                torch.distributions.Beta(self.args.mixup_alpha, self.args.mixup_alpha).sample()
-            )
-            perm = torch.arange(
-                images.shape[0] - 1, -1, -1, device=images.device
-            )  # GluonCV: reversed batch
-            images = lam * images + (1 - lam) * images[perm]
-            targets = lam * targets + (1 - lam) * targets[perm]
-            dominant = labels if lam >= 0.5 else labels[perm]
-        logits = model(images)
-        loss = torch.sum(-targets * F.log_softmax(logits.float(), dim=1), dim=1).mean()
-        if self.teacher is not None:
-            t = self.args.temperature
-            with torch.no_grad():
-                soft = F.softmax(self.teacher(images).float() / t, dim=1)
-            distill = (
-                F.kl_div(F.log_softmax(logits.float() / t, dim=1), soft, reduction="batchmean")
-                * t
-                * t
-            )
-            loss = self.args.hard_weight * loss + (1 - self.args.hard_weight) * distill
-        correct = (logits.argmax(dim=1) == dominant).sum()
-        return loss, {"accuracy": correct, "count": labels.shape[0]}
-
-    def eval_step(self, model: torch.nn.Module, batch: Any) -> dict[str, Any]:
-        images, labels = batch
-        logits = model(images).float()
-        top5 = logits.topk(min(5, self.num_classes), dim=1).indices
-        hits = top5 == labels[:, None]
-        return {
-            "top1": hits[:, 0].sum(),
-            "top5": hits.any(dim=1).sum(),
-            "loss": F.cross_entropy(logits, labels, reduction="sum"),
-            "count": labels.shape[0],
-        }
-
-
-class DropBlockRamp:
-    """Ramps DropBlock linearly from 0 at the first epoch to its maximum at the last (GluonCV)."""
-
-    def __init__(self, model: torch.nn.Module, epochs: int) -> None:
-        self.model, self.epochs = model, epochs
-
-    def on_epoch_start(self, trainer: Trainer, epoch: int) -> None:
-        set_dropblock_prob(self.model, min(1.0, epoch / max(1, self.epochs - 1)))
-
-
 def _resume_path(args: argparse.Namespace) -> Path:
     if args.resume != "auto":
         return Path(args.resume)
@@ -421,14 +348,23 @@ def main(argv: list[str] | None = None) -> int:
         channels_last=args.channels_last,
         progress=not args.no_progress,
     )
-    task = ImageClassificationTask(args, num_classes, teacher)
-    hooks = [DropBlockRamp(model, args.num_epochs)] if args.dropblock_prob > 0 else []
+    task = ImageClassificationTask(
+        num_classes,
+        label_smoothing=args.label_smoothing,
+        mixup_alpha=args.mixup_alpha if args.mixup else None,
+        mixup_epochs=args.num_epochs - args.mixup_off_epoch,
+        teacher=teacher,
+        temperature=args.temperature,
+        hard_weight=args.hard_weight,
+    )
+    hooks: list[Any] = [task]
+    if args.dropblock_prob > 0:
+        hooks.append(DropBlockRamp(model, args.num_epochs))
     trainer = Trainer(
         model, optimizer, config, env=env, logger=logger, lr_schedule=schedule,
         train_step=task.train_step, eval_step=task.eval_step if val_set is not None else None,
         combiner=build_combiner(args, env), hooks=hooks,
     )  # fmt: skip
-    task.trainer = trainer
     build_elastic(args, trainer)  # with --elastic-dir: fit() resumes from its state
     if args.resume:
         trainer.resume(_resume_path(args))

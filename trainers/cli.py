@@ -26,6 +26,7 @@ from .optim import create_optimizer, list_optimizers, optimizer_accepts
 from .schedules import SCHEDULE_MODES, LRSchedule
 
 __all__ = [
+    "DTYPES",
     "MXNET_OPTIONS",
     "ArgumentParser",
     "add_distributed_args",
@@ -43,6 +44,10 @@ __all__ = [
     "run_configs",
     "schedule_config",
 ]
+
+
+# --dtype (GluonCV's spelling) -> TrainerConfig.precision
+DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
 # ---- the parser every script uses ---------------------------------------------------------------
