@@ -12,7 +12,7 @@ them under ``"configs"`` (:func:`configs_record`). The library takes them direct
 * :class:`CombinerConfig` — a ``--grad-combine`` mode and its options dataclass (owned by the
   combiner class, see :mod:`trainers.comm`).
 * :class:`ElasticConfig` — elastic training (``torchrun --nnodes MIN:MAX``).
-* :class:`~trainers.trainer.TrainerConfig` — the run itself: epochs, batch size,
+* :class:`TrainerConfig` — the run itself: epochs, batch size,
   accumulation, precision, clipping, logging, evaluation and saving intervals, seed.
 """
 
@@ -23,9 +23,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from .comm import combiner_class
 
 __all__ = [
+    "TrainerConfig",
     "CombinerConfig",
     "ElasticConfig",
     "OptimizerConfig",
@@ -163,6 +166,82 @@ class ElasticConfig:
                 f"checkpoint_steps must be >= 1 and ramp_steps >= 0, got "
                 f"{self.checkpoint_steps} and {self.ramp_steps}"
             )
+
+
+_PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Everything the loop needs besides the model, optimizer and data.
+
+    Attributes:
+        epochs: epochs to train (the run ends earlier if ``max_steps`` is reached).
+        max_steps: stop after this many optimizer steps overall (``None``: no limit).
+        batch_size: samples per rank per micro-step.
+        eval_batch_size: per rank for evaluation; default ``batch_size``.
+        grad_accum_steps: micro-steps per optimizer step.
+        precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + loss scaling).
+        clip_grad_norm: clip the global gradient 2-norm to this value (``None``: no clipping).
+        log_interval: write a step record every this many optimizer steps of an epoch
+            (0: none).
+        eval_interval: evaluate every this many epochs (0: never during ``fit``).
+        eval_interval_steps: also evaluate every this many global steps (0: never).
+        save_dir: directory for ``latest.pt`` and ``epoch<N>.pt`` (``None``: no saving).
+        save_frequency: write ``epoch<N>.pt`` every this many epochs (0: only
+            ``latest.pt`` at the end).
+        save_interval_steps: also write ``latest.pt`` every this many global steps (0: never).
+        num_workers: DataLoader worker processes per rank.
+        seed: run seed: data order, augmentation, and each rank's RNG (``seed + rank``).
+        channels_last: convert the model and 4-D input tensors to channels-last.
+        drop_last: drop each epoch's incomplete final global batch. If kept, it must give every
+            rank at least one sample, and its micro-batches weigh as much as full ones.
+        shuffle: shuffle the training data each epoch.
+        progress: show a tqdm bar on rank 0 when stderr is a terminal.
+    """
+
+    epochs: int = 1
+    max_steps: int | None = None
+    batch_size: int = 32
+    eval_batch_size: int | None = None
+    grad_accum_steps: int = 1
+    precision: str = "fp32"
+    clip_grad_norm: float | None = None
+    log_interval: int = 50
+    eval_interval: int = 1
+    eval_interval_steps: int = 0
+    save_dir: str | None = None
+    save_frequency: int = 1
+    save_interval_steps: int = 0
+    num_workers: int = 0
+    seed: int = 0
+    channels_last: bool = False
+    drop_last: bool = True
+    shuffle: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.precision not in _PRECISIONS:
+            raise ValueError(
+                f"precision must be one of {', '.join(_PRECISIONS)}, got {self.precision!r}"
+            )
+        for name in ("epochs", "batch_size", "grad_accum_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in (
+            "log_interval",
+            "eval_interval",
+            "eval_interval_steps",
+            "save_frequency",
+            "save_interval_steps",
+            "num_workers",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 disables it), got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps}")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise ValueError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm}")
 
 
 def _plain(value: Any) -> Any:

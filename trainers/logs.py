@@ -25,12 +25,9 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import importlib.metadata
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -39,6 +36,14 @@ from typing import IO, Any, TypeVar
 import numpy as np
 import torch
 from tqdm import tqdm
+
+from .fingerprint import (
+    ISA_PIN_VARIABLES,
+    PORTABLE_CPU_PINS,
+    cpu_info,
+    machine_fingerprint,
+    not_comparable_reason,
+)
 
 __all__ = [
     "ISA_PIN_VARIABLES",
@@ -97,38 +102,6 @@ def format_metrics(metrics: Mapping[str, Any], sep: str = " ") -> str:
     return sep.join(f"{name}={_fmt(value)}" for name, value in metrics.items())
 
 
-# -- header -----------------------------------------------------------------------------------
-def _git_sha(root: Path = _REPO_ROOT) -> str | None:
-    """``git rev-parse HEAD`` of the repository holding this package, or None."""
-    if not (root / ".git").exists():
-        return None
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    sha = out.stdout.strip()
-    return sha or None
-
-
-def _modelzoo_version() -> str | None:
-    # trainers never imports modelzoo: read it only if the script already imported it.
-    module = sys.modules.get("modelzoo")
-    version = getattr(module, "__version__", None)
-    if version is not None:
-        return str(version)
-    try:
-        return importlib.metadata.version(_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _relative_command(command: Sequence[str]) -> list[str]:
     """``sys.argv`` with the script path made relative to the repository root if inside it."""
     args = [str(a) for a in command]
@@ -151,133 +124,6 @@ def _config_dict(config: Any) -> dict[str, Any]:
             f"config must be an argparse.Namespace, a dataclass or a mapping, got {type(config).__name__}"
         )
     return {str(k): _to_json(v) for k, v in config.items()}
-
-
-# -- machine fingerprint ----------------------------------------------------------------------
-# The environment variables that pin the vector ISA of torch's CPU kernels: ATen's own
-# dispatch, oneDNN's (convolutions) and MKL's (matmul; MKL_CBWR is its documented
-# "conditional numerical reproducibility" switch). Published CPU logs are made under
-# PORTABLE_CPU_PINS (scripts/publish.py); scripts/reproduce.py re-applies what a log recorded.
-ISA_PIN_VARIABLES = (
-    "ATEN_CPU_CAPABILITY",
-    "ONEDNN_MAX_CPU_ISA",
-    "MKL_CBWR",
-    "MKL_ENABLE_INSTRUCTIONS",
-)
-PORTABLE_CPU_PINS = {
-    "ATEN_CPU_CAPABILITY": "avx2",
-    "ONEDNN_MAX_CPU_ISA": "AVX2",
-    "MKL_CBWR": "AVX2",
-}
-# Packages whose code computes or feeds the numbers of some script.
-FINGERPRINT_PACKAGES = (
-    "numpy", "Pillow", "scikit-learn", "tokenizers", "torch_geometric", "safetensors",
-)  # fmt: skip
-
-
-def cpu_info() -> dict[str, Any]:
-    """Architecture, vendor, model name, family/model numbers and the SIMD flags that decide
-    which kernels torch, oneDNN and MKL run (from ``/proc/cpuinfo`` where there is one)."""
-    info: dict[str, Any] = {
-        "arch": platform.machine(),
-        "vendor": None,
-        "model_name": platform.processor() or None,
-        "family": None,
-        "model": None,
-        "flags": [],
-    }
-    keys = {
-        "vendor_id": "vendor",
-        "model name": "model_name",
-        "cpu family": "family",
-        "model": "model",
-    }
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return info
-    first = text.split("\n\n", 1)[0]  # one processor block is enough
-    for line in first.splitlines():
-        name, _, value = line.partition(":")
-        name, value = name.strip(), value.strip()
-        if name in keys:
-            info[keys[name]] = (
-                int(value) if name in ("cpu family", "model") and value.isdigit() else value
-            )
-        elif name in ("flags", "Features"):
-            simd = ("avx", "fma", "f16c", "amx", "sve", "neon", "asimd")
-            info["flags"] = sorted(f for f in value.split() if f.startswith(simd))
-    return info
-
-
-def _package_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def device_info() -> dict[str, Any]:
-    """``{"type": "cpu"}``, or the CUDA device's name, capability and CUDA/cuDNN/NCCL versions."""
-    if not torch.cuda.is_available():
-        return {"type": "cpu"}
-    index = torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(index)
-    nccl = None
-    with contextlib.suppress(AttributeError, RuntimeError):
-        nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
-    return {
-        "type": "cuda",
-        "name": torch.cuda.get_device_name(index),
-        "capability": f"{major}.{minor}",
-        "count": torch.cuda.device_count(),
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
-        "nccl": nccl,
-    }
-
-
-def _git_state(root: Path = _REPO_ROOT) -> dict[str, Any]:
-    """``{"commit": sha or None, "dirty": bool or None}`` for the checkout holding this package.
-
-    ``dirty`` is True when a tracked file differs from the commit (untracked files, such as
-    run outputs, do not count).
-    """
-    sha = _git_sha(root)
-    if sha is None:
-        return {"commit": None, "dirty": None}
-    try:
-        out = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root, capture_output=True, text=True, timeout=10, check=True,
-        )  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": sha, "dirty": None}
-    return {"commit": sha, "dirty": bool(out.stdout.strip())}
-
-
-def machine_fingerprint(world_size: int = 1) -> dict[str, Any]:
-    """Everything about this machine and software that changes the numbers of a run.
-
-    docs/run_logs.md lists the fields; ``scripts/reproduce.py`` decides from two fingerprints
-    whether a rerun can re-create a log exactly.
-    """
-    return {
-        "cpu": cpu_info(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "isa_pins": {name: os.environ.get(name) for name in ISA_PIN_VARIABLES},
-        "threads": torch.get_num_threads(),
-        "device": device_info(),
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "world_size": int(world_size),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "modelzoo": _modelzoo_version(),
-            **{name: _package_version(name) for name in FINGERPRINT_PACKAGES},
-        },
-        "git": _git_state(),
-    }
 
 
 def make_header(
@@ -534,77 +380,3 @@ def read_run_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             f"{records[0]['kind']!r}); is it a run log?"
         )
     return records
-
-
-# -- comparability ----------------------------------------------------------------------------
-def _supports(cpu: Mapping[str, Any], pins: Mapping[str, Any]) -> str | None:
-    """Why this CPU cannot run kernels at the pinned ISA level, or None if it can."""
-    level = (pins.get("ATEN_CPU_CAPABILITY") or "").lower()
-    needed = {"avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq")}
-    missing = [f for f in needed.get(level, ()) if f not in set(cpu.get("flags") or ())]
-    if missing:
-        return f"the log pins ATEN_CPU_CAPABILITY={level} but this CPU lacks {', '.join(missing)}"
-    return None
-
-
-def _processor(cpu: Mapping[str, Any]) -> str:
-    return (
-        f"{cpu.get('vendor')} family {cpu.get('family')} model {cpu.get('model')} "
-        f"({cpu.get('model_name')})"
-    )
-
-
-def not_comparable_reason(
-    recorded: Mapping[str, Any] | None, here: Mapping[str, Any]
-) -> str | None:
-    """Why a log with fingerprint ``recorded`` cannot be re-created exactly on the machine with
-    fingerprint ``here`` (after re-applying the recorded threads and ISA pins), or None.
-
-    The rules (docs/run_logs.md): same architecture and device (CUDA: the same GPU model and
-    capability); a pinned ISA level this CPU supports, or, for an unpinned log, the same
-    ATen capability; and the same processor (vendor, family, model). The last rule is
-    measured, not assumed: under the same AVX2 pins, logs made on another processor diverged
-    on an Intel Sapphire Rapids within 10 steps (oneDNN and MKL pick blockings by processor),
-    so a trace is only called reproducible on the processor model that made it.
-    """
-    if not recorded:
-        return (
-            "the log has no machine fingerprint (written before fingerprints were recorded); "
-            "republish it with scripts/publish.py"
-        )
-    rec_cpu, cpu = recorded.get("cpu") or {}, here.get("cpu") or {}
-    if rec_cpu.get("arch") != cpu.get("arch"):
-        return f"the log was made on {rec_cpu.get('arch')}, this machine is {cpu.get('arch')}"
-    rec_dev, dev = recorded.get("device") or {}, here.get("device") or {}
-    if rec_dev.get("type") == "cuda":
-        if dev.get("type") != "cuda":
-            return (
-                f"the log was made on a CUDA device ({rec_dev.get('name')}); this machine has none"
-            )
-        if (rec_dev.get("name"), rec_dev.get("capability")) != (
-            dev.get("name"),
-            dev.get("capability"),
-        ):
-            return (
-                f"the log was made on {rec_dev.get('name')} (sm {rec_dev.get('capability')}), "
-                f"this machine has {dev.get('name')} (sm {dev.get('capability')})"
-            )
-    pins = recorded.get("isa_pins") or {}
-    if pins.get("ATEN_CPU_CAPABILITY"):
-        reason = _supports(cpu, pins)
-        if reason:
-            return reason
-    elif recorded.get("cpu_capability") != here.get("cpu_capability"):
-        return (
-            f"the log ran unpinned CPU kernels at {recorded.get('cpu_capability')}, this machine "
-            f"runs {here.get('cpu_capability')}; only logs made with the ISA pinned can be "
-            "re-created on another ISA"
-        )
-    key = ("vendor", "family", "model")
-    if tuple(rec_cpu.get(k) for k in key) != tuple(cpu.get(k) for k in key):
-        return (
-            f"the log was made on {_processor(rec_cpu)}, this machine is {_processor(cpu)}: "
-            "oneDNN and MKL choose kernels by processor, so the trace can differ in the last "
-            "bits even under the same ISA pins"
-        )
-    return None

@@ -7,6 +7,11 @@ gradient clipping, data-parallel averaging through a pluggable :class:`GradCombi
 evaluation, throughput measurement, run logs, and checkpoints from which a run continues
 bit-for-bit on CPU.
 
+(Why one module of about 680 lines: the loop, its checkpoint state and its evaluation share
+one set of invariants (step and sample counters, the samplers, the meters, the RNG states)
+that a resume must restore together; the configs, the bookkeeping (:mod:`.loop_state`) and
+the combiners (:mod:`.comm`) live elsewhere.)
+
 Contracts with the script:
 
 * ``train_step(model, batch) -> (loss, metrics)``: called under autocast with the model the
@@ -53,167 +58,32 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-import random
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import AverageCombiner, GradCombiner
+from .config import _PRECISIONS, TrainerConfig
 from .data import SeededDataset, ShardedSampler, derive_seed
 from .dist import DistEnv
 from .logs import RunLogger, progress_bar
+from .loop_state import Meter as _Meter
+from .loop_state import elapsed as _elapsed
+from .loop_state import rng_state as _rng_state
+from .loop_state import set_rng_state as _set_rng_state
 
 __all__ = ["CHECKPOINT_FORMAT", "Trainer", "TrainerConfig"]
 
 CHECKPOINT_FORMAT = 1
-_PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 TrainStep = Callable[[nn.Module, Any], tuple[torch.Tensor, Mapping[str, Any]]]
 EvalStep = Callable[[nn.Module, Any], Mapping[str, Any]]
-
-
-@dataclass
-class TrainerConfig:
-    """Everything the loop needs besides the model, optimizer and data.
-
-    Attributes:
-        epochs: epochs to train (the run ends earlier if ``max_steps`` is reached).
-        max_steps: stop after this many optimizer steps overall (``None``: no limit).
-        batch_size: samples per rank per micro-step.
-        eval_batch_size: per rank for evaluation; default ``batch_size``.
-        grad_accum_steps: micro-steps per optimizer step.
-        precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + loss scaling).
-        clip_grad_norm: clip the global gradient 2-norm to this value (``None``: no clipping).
-        log_interval: write a step record every this many optimizer steps of an epoch
-            (0: none).
-        eval_interval: evaluate every this many epochs (0: never during ``fit``).
-        eval_interval_steps: also evaluate every this many global steps (0: never).
-        save_dir: directory for ``latest.pt`` and ``epoch<N>.pt`` (``None``: no saving).
-        save_frequency: write ``epoch<N>.pt`` every this many epochs (0: only
-            ``latest.pt`` at the end).
-        save_interval_steps: also write ``latest.pt`` every this many global steps (0: never).
-        num_workers: DataLoader worker processes per rank.
-        seed: run seed: data order, augmentation, and each rank's RNG (``seed + rank``).
-        channels_last: convert the model and 4-D input tensors to channels-last.
-        drop_last: drop each epoch's incomplete final global batch. If kept, it must give every
-            rank at least one sample, and its micro-batches weigh as much as full ones.
-        shuffle: shuffle the training data each epoch.
-        progress: show a tqdm bar on rank 0 when stderr is a terminal.
-    """
-
-    epochs: int = 1
-    max_steps: int | None = None
-    batch_size: int = 32
-    eval_batch_size: int | None = None
-    grad_accum_steps: int = 1
-    precision: str = "fp32"
-    clip_grad_norm: float | None = None
-    log_interval: int = 50
-    eval_interval: int = 1
-    eval_interval_steps: int = 0
-    save_dir: str | None = None
-    save_frequency: int = 1
-    save_interval_steps: int = 0
-    num_workers: int = 0
-    seed: int = 0
-    channels_last: bool = False
-    drop_last: bool = True
-    shuffle: bool = True
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.precision not in _PRECISIONS:
-            raise ValueError(
-                f"precision must be one of {', '.join(_PRECISIONS)}, got {self.precision!r}"
-            )
-        for name in ("epochs", "batch_size", "grad_accum_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in (
-            "log_interval",
-            "eval_interval",
-            "eval_interval_steps",
-            "save_frequency",
-            "save_interval_steps",
-            "num_workers",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 disables it), got {getattr(self, name)}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps}")
-        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
-            raise ValueError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm}")
-
-
-class _Meter:
-    """Sums of the loss and of the metrics over micro-batches, reduced across ranks on demand."""
-
-    def __init__(self) -> None:
-        self.loss: torch.Tensor | float = 0.0
-        self.batches = 0
-        self.sums: dict[str, torch.Tensor | float] = {}
-
-    def update(self, metrics: Mapping[str, Any], loss: torch.Tensor | None = None) -> None:
-        if loss is not None:
-            self.loss = self.loss + loss.detach().float()
-        self.batches += 1
-        for name, value in metrics.items():
-            value = value.detach().double() if isinstance(value, torch.Tensor) else float(value)
-            self.sums[name] = self.sums.get(name, 0.0) + value
-
-    def reduce(
-        self, env: DistEnv, keys: Sequence[str] | None = None
-    ) -> tuple[float, dict[str, float]]:
-        """Global means: the loss per micro-batch, metrics per ``count`` (or micro-batch)."""
-        names = sorted(self.sums) if keys is None else list(keys)
-        values = [self.loss, float(self.batches)] + [self.sums.get(n, 0.0) for n in names]
-        vector = torch.stack(
-            [torch.as_tensor(v, dtype=torch.float64, device=env.device).reshape(()) for v in values]
-        )
-        totals = env.all_reduce_sum(vector).tolist()
-        loss_sum, batches, reduced = totals[0], totals[1], dict(zip(names, totals[2:], strict=True))
-        # Report in the order train_step/eval_step returned them (ranks agree on the set).
-        order = [n for n in self.sums if n in reduced] + [n for n in names if n not in self.sums]
-        sums = {n: reduced[n] for n in order}
-        denominator = sums.pop("count", batches)
-        loss = loss_sum / batches if batches else math.nan
-        means = {
-            name: total / denominator if denominator else math.nan for name, total in sums.items()
-        }
-        return loss, means
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "loss": float(self.loss),
-            "batches": self.batches,
-            "sums": {k: float(v) for k, v in self.sums.items()},
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.loss = float(state["loss"])
-        self.batches = int(state["batches"])
-        self.sums = {k: float(v) for k, v in state["sums"].items()}
-
-    @staticmethod
-    def merged(states: Sequence[Mapping[str, Any]], keep: bool) -> dict[str, Any]:
-        """All ranks' sums on one rank (``keep``), zeros with the same keys on the others."""
-        keys = sorted({k for s in states for k in s["sums"]})
-        if not keep:
-            return {"loss": 0.0, "batches": 0, "sums": dict.fromkeys(keys, 0.0)}
-        return {
-            "loss": sum(s["loss"] for s in states),
-            "batches": sum(s["batches"] for s in states),
-            "sums": {k: sum(s["sums"].get(k, 0.0) for s in states) for k in keys},
-        }
 
 
 class Trainer:
@@ -812,44 +682,3 @@ class Trainer:
                 _Meter.merged([r["epoch_meter"] for r in ranks], keep)
             )
         self._last_saved_step = self.global_step
-
-
-# -- helpers ------------------------------------------------------------------------------------
-def _elapsed(start: float, paused_at_start: float, paused_now: float) -> float:
-    """Wall time since ``start`` minus the evaluation/saving time spent meanwhile."""
-    return time.perf_counter() - start - (paused_now - paused_at_start)
-
-
-def _rng_state() -> dict[str, Any]:
-    """This process's RNG states in types ``torch.load(weights_only=True)`` accepts."""
-    _, keys, pos, has_gauss, cached = np.random.get_state()
-    version, mt, gauss = random.getstate()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
-        "numpy": {
-            "keys": keys.tolist(),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        },
-        "python": {"version": version, "state": list(mt), "gauss": gauss},
-    }
-
-
-def _set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and device.type == "cuda":
-        torch.cuda.set_rng_state_all(state["cuda"])
-    np_state = state["numpy"]
-    np.random.set_state(
-        (
-            "MT19937",
-            np.asarray(np_state["keys"], dtype=np.uint32),
-            np_state["pos"],
-            np_state["has_gauss"],
-            np_state["cached_gaussian"],
-        )
-    )
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
