@@ -40,9 +40,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 import modelzoo
-from modelzoo.convert.bert import load_bert_checkpoint
-from modelzoo.convert.load import read_state_dict
-from modelzoo.nlp.bert import BertConfig, BertForQuestionAnswering, bert_from_checkpoint
+from modelzoo.convert.bert import load_bert_checkpoint, save_hf_directory
+from modelzoo.nlp.bert import BertForQuestionAnswering, bert_from_checkpoint
 from modelzoo.nlp.squad import (
     SquadExample,
     SquadFeature,
@@ -134,8 +133,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model-parameters",
         type=str,
         default=None,
-        help="a fine-tuned QA model saved by this script (model.safetensors or a trainer "
-        "checkpoint .pt) to evaluate (--only-predict) or continue from",
+        help="a fine-tuned QA model saved by this script (its output directory, a Hugging Face "
+        "directory, or model.safetensors; or a trainer checkpoint .pt) to evaluate "
+        "(--only-predict) or continue from",
     )
     m.add_argument("--vocab-file", type=str, default=None, help="vocab.txt (default: published)")
 
@@ -425,12 +425,11 @@ def build_model(args: argparse.Namespace, logger: RunLogger, progress: bool) -> 
         model = modelzoo.get_model(args.bert_model, pretrained=tag, head="qa", progress=progress)
     if args.model_parameters:
         path = Path(args.model_parameters)
-        if path.suffix == ".safetensors":
-            state = read_state_dict(path, "safetensors")
+        if path.is_dir() or path.suffix == ".safetensors":
+            load_bert_checkpoint(model, path)  # this script's Hugging Face directory, or ours
         else:
-            state = load_checkpoint(path)
-            state = state.get("model", state)
-        model.load_state_dict(state, strict=True)
+            state = load_checkpoint(path)  # a trainer checkpoint
+            model.load_state_dict(state.get("model", state), strict=True)
         logger.info(f"loaded fine-tuned parameters {path}")
     if not isinstance(model, BertForQuestionAnswering):
         raise SystemExit(f"--bert-model {args.bert_model} is not a BERT")
@@ -455,20 +454,6 @@ def build_tokenizer(args: argparse.Namespace, progress: bool) -> BertTokenizer:
             "checkpoint's vocabulary with --vocab-file"
         )
     return get_tokenizer(args.bert_model, args.bert_weights or True, progress=progress)
-
-
-def save_model(model: torch.nn.Module, tokenizer: BertTokenizer, output_dir: Path) -> Path:
-    """``model.safetensors`` + ``config.json`` + the vocabulary, for ``--model-parameters``."""
-    from safetensors.torch import save_file
-
-    config: BertConfig = model.config  # type: ignore[assignment]
-    output_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(output_dir)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    path = output_dir / "model.safetensors"
-    save_file(state, str(path))
-    (output_dir / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
-    return path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -565,8 +550,8 @@ def main(argv: list[str] | None = None) -> int:
             TrainFeatures(train_features), eval_dataset=eval_set, collate_fn=collate
         )
         if env.is_main:
-            path = save_model(trainer.model, tokenizer, output_dir)
-            logger.info(f"saved {path}")
+            path = save_hf_directory(trainer.model, tokenizer, output_dir, replace=False)
+            logger.info(f"saved {path / 'model.safetensors'} (a Hugging Face directory)")
     for name, data in (("train", train_set), ("dev", dev_set)):
         if data is not None and data.skipped:
             logger.info(f"[{name}] {data.report()}")

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 import modelzoo
+from modelzoo.convert.bert import save_hf_directory
 from modelzoo.nlp.bert import BertConfig, bert_from_checkpoint, build_bert
 from modelzoo.nlp.pretraining import (
     InstanceConfig,
@@ -53,7 +54,6 @@ from modelzoo.nlp.pretraining import (
     PretrainingShards,
     ShardError,
     prepare_pretraining_data,
-    save_pretrained,
     write_stdlib_corpus,
 )
 from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
@@ -597,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         final = dict(trainer.last_eval)
         if trainer.global_step >= steps:
             if env.is_main:
-                save_pretrained(trainer.model, tokenizer, model_dir)
+                save_hf_directory(trainer.model, tokenizer, model_dir)
                 logger.info(f"[Phase {phase}] saved {model_dir}")
             env.barrier()
             previous = model_dir

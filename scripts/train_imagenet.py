@@ -305,9 +305,26 @@ def main(argv: list[str] | None = None) -> int:
         run_log, enabled=env.is_main, logging_file=args.logging_file, mode="a" if resuming else "w"
     )
     logger.info(f"Namespace({', '.join(f'{k}={v!r}' for k, v in sorted(vars(args).items()))})")
+    config = TrainerConfig(
+        epochs=args.num_epochs,
+        max_steps=args.max_steps,
+        batch_size=args.batch_size,
+        grad_accum_steps=args.accumulate,
+        precision=DTYPES[args.dtype],
+        clip_grad_norm=args.clip_grad_norm if (args.clip_grad_norm or 0) > 0 else None,
+        log_interval=args.log_interval,
+        save_dir=args.save_dir,
+        save_frequency=args.save_frequency,
+        num_workers=args.num_workers,
+        seed=args.seed,
+        channels_last=args.channels_last,
+        progress=not args.no_progress,
+    )
     if not resuming:
         logger.write(
-            make_header(command, args.seed, env.world_size, args, configs=run_configs(args))
+            make_header(
+                command, args.seed, env.world_size, args, configs=run_configs(args, run=config)
+            )
         )
 
     train_set, val_set, num_classes = build_datasets(args)
@@ -333,21 +350,6 @@ def main(argv: list[str] | None = None) -> int:
             "(--batch-size x --accumulate x workers); lower --batch-size"
         )
     schedule = build_schedule(args, steps_per_epoch=steps_per_epoch, epochs=args.num_epochs)
-    config = TrainerConfig(
-        epochs=args.num_epochs,
-        max_steps=args.max_steps,
-        batch_size=args.batch_size,
-        grad_accum_steps=args.accumulate,
-        precision=DTYPES[args.dtype],
-        clip_grad_norm=args.clip_grad_norm if (args.clip_grad_norm or 0) > 0 else None,
-        log_interval=args.log_interval,
-        save_dir=args.save_dir,
-        save_frequency=args.save_frequency,
-        num_workers=args.num_workers,
-        seed=args.seed,
-        channels_last=args.channels_last,
-        progress=not args.no_progress,
-    )
     task = ImageClassificationTask(
         num_classes,
         label_smoothing=args.label_smoothing,

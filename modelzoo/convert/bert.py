@@ -45,6 +45,8 @@ __all__ = [
     "hf_to_canonical",
     "load_bert_checkpoint",
     "read_bert_checkpoint",
+    "save_hf_directory",
+    "to_hf_state_dict",
 ]
 
 _TIED = "<tied decoder weight>"
@@ -346,8 +348,14 @@ def read_bert_checkpoint(path: str | Path) -> tuple[dict[str, Any], str]:
 
 
 def load_bert_checkpoint(model: nn.Module, path: str | Path) -> nn.Module:
-    """Loads a Hugging Face or GluonNLP checkpoint into ``model`` (see the fitting rules)."""
+    """Loads a Hugging Face or GluonNLP checkpoint into ``model`` (see the fitting rules).
+
+    A state dict already under ``model``'s own names (exactly its keys) loads as it is.
+    """
     state, kind = read_bert_checkpoint(path)
+    if set(state) == set(model.state_dict()):
+        model.load_state_dict({k: _as_tensor(v) for k, v in state.items()}, strict=True)
+        return model
     convert = convert_hf_bert if kind == "hf" else convert_gluonnlp_bert
     try:
         fitted = convert(state, model)
@@ -355,3 +363,111 @@ def load_bert_checkpoint(model: nn.Module, path: str | Path) -> nn.Module:
         raise BertCheckpointError(f"{path}: {exc}") from None
     model.load_state_dict(fitted, strict=True)
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing: our models -> a Hugging Face directory (the one writer every script uses)
+# ---------------------------------------------------------------------------------------------
+_HF_LAYER = {
+    "attn.proj": "attention.output.dense",
+    "attn_norm": "attention.output.LayerNorm",
+    "fc1": "intermediate.dense",
+    "fc2": "output.dense",
+    "ffn_norm": "output.LayerNorm",
+}
+_HF_TOP = {
+    "embeddings.word": "bert.embeddings.word_embeddings",
+    "embeddings.position": "bert.embeddings.position_embeddings",
+    "embeddings.token_type": "bert.embeddings.token_type_embeddings",
+    "embeddings.norm": "bert.embeddings.LayerNorm",
+    "pooler": "bert.pooler.dense",
+    "mlm.dense": "cls.predictions.transform.dense",
+    "mlm.norm": "cls.predictions.transform.LayerNorm",
+    "nsp": "cls.seq_relationship",
+    "span_classifier": "qa_outputs",
+    "classifier": "classifier",
+}
+_HF_ARCHITECTURES = {
+    "BertForPretraining": "BertForPreTraining",
+    "BertForQuestionAnswering": "BertForQuestionAnswering",
+    "BertForSequenceClassification": "BertForSequenceClassification",
+    "BertModel": "BertModel",
+}
+
+
+def to_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A :mod:`modelzoo.nlp.bert` model's state dict under ``transformers``' ``BertFor*``
+    names (query/key/value split; the masked-LM decoder weight is the word embedding, tied,
+    so it is not stored). :func:`load_bert_checkpoint` reads it back."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().cpu().contiguous()
+        bare = name.removeprefix("bert.")
+        stem, _, kind = bare.rpartition(".")
+        if bare == "mlm.bias":
+            out["cls.predictions.bias"] = tensor
+            continue
+        match = re.match(r"layers\.(\d+)\.(.+)$", stem)
+        if match:
+            layer, part = match[1], match[2]
+            prefix = f"bert.encoder.layer.{layer}."
+            if part == "attn.qkv":
+                for piece, chunk in zip(("query", "key", "value"), tensor.chunk(3, 0), strict=True):
+                    out[f"{prefix}attention.self.{piece}.{kind}"] = chunk.clone()
+                continue
+            if part in _HF_LAYER:
+                out[f"{prefix}{_HF_LAYER[part]}.{kind}"] = tensor
+                continue
+        elif stem in _HF_TOP:
+            out[f"{_HF_TOP[stem]}.{kind}"] = tensor
+            continue
+        raise ValueError(f"to_hf_state_dict: no Hugging Face name for {name!r}")
+    return out
+
+
+def save_hf_directory(
+    model: nn.Module, tokenizer: Any, directory: str | Path, *, replace: bool = True
+) -> Path:
+    """Write a Hugging Face BERT directory: ``config.json`` (with ``architectures``),
+    ``model.safetensors`` (:func:`to_hf_state_dict`), ``vocab.txt`` and
+    ``tokenizer_config.json``.
+
+    ``transformers``' ``BertFor*.from_pretrained``, :func:`load_bert_checkpoint`,
+    :func:`~modelzoo.nlp.bert.bert_from_checkpoint` and ``finetune_squad.py
+    --pretrained-bert-parameters / --model-parameters`` read it. Everything is written under
+    a temporary name first. ``replace=True``: the directory is renamed into place (an old one
+    is removed); ``replace=False``: each file is renamed into the existing directory, whose
+    other files stay (``finetune_squad.py``'s output directory also holds predictions).
+    """
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.partial-"))
+    try:
+        save_file(
+            to_hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"}
+        )
+        architecture = _HF_ARCHITECTURES.get(type(model).__name__)
+        config = model.config.to_hf()  # type: ignore[union-attr]
+        if architecture is not None:
+            config = {"architectures": [architecture], **config}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        tokenizer.save(tmp)
+        if replace or not directory.exists():
+            if directory.exists():
+                shutil.rmtree(directory)
+            os.replace(tmp, directory)
+        else:
+            for item in tmp.iterdir():
+                os.replace(item, directory / item.name)
+            tmp.rmdir()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory

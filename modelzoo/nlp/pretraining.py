@@ -85,9 +85,7 @@ __all__ = [
     "create_instances",
     "mask_tokens",
     "prepare_pretraining_data",
-    "hf_state_dict",
     "read_documents",
-    "save_pretrained",
     "shard_dtype",
     "stdlib_documents",
     "write_shards",
@@ -865,86 +863,3 @@ def write_stdlib_corpus(
         Path(tmp).unlink(missing_ok=True)
         raise
     return {"documents": documents, "sentences": sentences, "bytes": path.stat().st_size}
-
-
-# ---------------------------------------------------------------------------------------------
-# Saving a pretrained model in Hugging Face's format
-# ---------------------------------------------------------------------------------------------
-
-_HF_LAYER = {
-    "attn.proj": "attention.output.dense",
-    "attn_norm": "attention.output.LayerNorm",
-    "fc1": "intermediate.dense",
-    "fc2": "output.dense",
-    "ffn_norm": "output.LayerNorm",
-}
-_HF_TOP = {
-    "embeddings.word": "bert.embeddings.word_embeddings",
-    "embeddings.position": "bert.embeddings.position_embeddings",
-    "embeddings.token_type": "bert.embeddings.token_type_embeddings",
-    "embeddings.norm": "bert.embeddings.LayerNorm",
-    "pooler": "bert.pooler.dense",
-    "mlm.dense": "cls.predictions.transform.dense",
-    "mlm.norm": "cls.predictions.transform.LayerNorm",
-    "nsp": "cls.seq_relationship",
-}
-
-
-def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A :class:`~modelzoo.nlp.bert.BertForPretraining` state dict under the names of
-    ``transformers.BertForPreTraining`` (query/key/value split; the decoder weight is the
-    word embedding, tied, so it is not stored)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        tensor = tensor.detach().cpu().contiguous()
-        bare = name.removeprefix("bert.")
-        stem, _, kind = bare.rpartition(".")
-        if bare == "mlm.bias":
-            out["cls.predictions.bias"] = tensor
-            continue
-        match = re.match(r"layers\.(\d+)\.(.+)$", stem)
-        if match:
-            layer, part = match[1], match[2]
-            prefix = f"bert.encoder.layer.{layer}."
-            if part == "attn.qkv":
-                for piece, chunk in zip(("query", "key", "value"), tensor.chunk(3, 0), strict=True):
-                    out[f"{prefix}attention.self.{piece}.{kind}"] = chunk.clone()
-                continue
-            if part in _HF_LAYER:
-                out[f"{prefix}{_HF_LAYER[part]}.{kind}"] = tensor
-                continue
-        elif stem in _HF_TOP:
-            out[f"{_HF_TOP[stem]}.{kind}"] = tensor
-            continue
-        raise ValueError(f"hf_state_dict: no Hugging Face name for {name!r}")
-    return out
-
-
-def save_pretrained(
-    model: torch.nn.Module, tokenizer: Any, directory: str | os.PathLike[str]
-) -> Path:
-    """Writes a Hugging Face BERT directory: ``config.json``, ``model.safetensors`` (names of
-    ``transformers.BertForPreTraining``), ``vocab.txt`` and ``tokenizer_config.json``.
-
-    ``transformers.BertForPreTraining.from_pretrained``,
-    :func:`~modelzoo.nlp.bert.bert_from_checkpoint` and ``finetune_squad.py
-    --pretrained_bert_parameters`` read it. The directory is written under a temporary name
-    and renamed into place.
-    """
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.partial-"))
-    try:
-        save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config = {"architectures": ["BertForPreTraining"], **model.config.to_hf()}
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        tokenizer.save(tmp)
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return directory

@@ -306,8 +306,8 @@ def test_prepare_from_text_is_deterministic(tmp_path):
 # ---- export ------------------------------------------------------------------------------------
 def test_saved_model_is_a_hugging_face_bert(tmp_path):
     transformers = pytest.importorskip("transformers")
+    from modelzoo.convert.bert import save_hf_directory as save_pretrained
     from modelzoo.nlp.bert import BertConfig, bert_from_checkpoint, build_bert
-    from modelzoo.nlp.pretraining import save_pretrained
     from modelzoo.nlp.tokenizer import BertTokenizer
 
     tokenizer = BertTokenizer({t: i for i, t in enumerate(SPECIALS + ["a", "b", "c"])})
@@ -337,5 +337,42 @@ def test_saved_model_is_a_hugging_face_bert(tmp_path):
         mine.nsp_logits, theirs.seq_relationship_logits, rtol=1e-4, atol=1e-4
     )
     again = bert_from_checkpoint(directory, head="pretraining")
+    for name, tensor in ours.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[name], tensor, rtol=0, atol=0)
+
+
+def test_saved_qa_model_is_a_hugging_face_bert_for_question_answering(tmp_path):
+    """finetune_squad.py's writer: qa_outputs under transformers' names, read back exactly;
+    written into an existing directory without touching its other files."""
+    transformers = pytest.importorskip("transformers")
+    from modelzoo.convert.bert import load_bert_checkpoint, save_hf_directory
+    from modelzoo.nlp.bert import BertConfig, build_bert
+    from modelzoo.nlp.tokenizer import BertTokenizer
+
+    tokenizer = BertTokenizer({t: i for i, t in enumerate(SPECIALS + ["a", "b", "c"])})
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=16, num_layers=2, num_heads=2,
+        intermediate_size=32, max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ours = build_bert(config, head="qa").eval()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "predictions.json").write_text("{}")
+    save_hf_directory(ours, tokenizer, out, replace=False)
+    assert (out / "predictions.json").read_text() == "{}"
+    hf = transformers.BertForQuestionAnswering.from_pretrained(out).eval()
+    ids = torch.randint(0, len(tokenizer), (2, 9))
+    types = (torch.arange(9) >= 4).long().expand(2, -1)
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, token_type_ids=types)
+        mine = ours(ids, types)
+    start, end = (mine.start_logits, mine.end_logits) if hasattr(mine, "start_logits") else mine
+    torch.testing.assert_close(start, theirs.start_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(end, theirs.end_logits, rtol=1e-4, atol=1e-4)
+    again = load_bert_checkpoint(build_bert(config, head="qa"), out)
     for name, tensor in ours.state_dict().items():
         torch.testing.assert_close(again.state_dict()[name], tensor, rtol=0, atol=0)
