@@ -51,6 +51,7 @@ __all__ = [
     "ChecksumError",
     "DownloadError",
     "cache_root",
+    "download_to",
     "fetch",
     "file_hash",
     "package_path",
@@ -214,6 +215,39 @@ def fetch(
     return dest
 
 
+def download_to(
+    url: str,
+    dest: str | os.PathLike[str],
+    *,
+    hash_prefix: str | None = None,
+    hash_algo: str = "sha256",
+    progress: bool = False,
+    timeout: float = 60.0,
+) -> pathlib.Path:
+    """Download ``url`` to ``dest`` (any path) through a temporary file renamed into place.
+
+    For files without a published digest (data sets); with ``hash_prefix`` the download is
+    verified like :func:`fetch`'s. A failed or interrupted download leaves nothing at
+    ``dest``. Concurrent callers for one ``dest`` are serialised by a file lock, and a
+    ``dest`` that exists when the lock is taken is kept.
+
+    Raises:
+        DownloadError: the file could not be downloaded.
+        ChecksumError: ``hash_prefix`` given and the bytes do not match it.
+    """
+    dest = pathlib.Path(dest)
+    prefix = _check_hash_args(hash_prefix, hash_algo) if hash_prefix is not None else ""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(dest) + _LOCK_SUFFIX):
+        if dest.is_file():
+            return dest
+        _download(
+            url, dest, prefix=prefix, algo=hash_algo, archive_member=None, progress=progress,
+            timeout=timeout, mirror=False,
+        )  # fmt: skip
+    return dest
+
+
 def purge(pattern: str | None = None) -> list[pathlib.Path]:
     """Delete cached weight files whose names match a glob pattern.
 
@@ -372,7 +406,14 @@ def _fetch_package(url: str, prefix: str, algo: str) -> pathlib.Path:
 # ---------------------------------------------------------------------------- download
 
 
-def _download_error(url: str, dest: pathlib.Path, reason: str) -> DownloadError:
+def _download_error(
+    url: str, dest: pathlib.Path, reason: str, mirror: bool = True
+) -> DownloadError:
+    if not mirror:
+        return DownloadError(
+            f"Could not download {url}: {reason}. Check the URL and your connection, or place "
+            f"the file by hand at {dest}."
+        )
     return DownloadError(
         f"Could not download {url}: {reason}. Check the URL and your connection, set "
         f"{ENV_REPO_URL} to a mirror that serves {dest.name}, or place the file by hand at "
@@ -402,6 +443,7 @@ def _download(
     archive_member: str | None,
     progress: bool,
     timeout: float,
+    mirror: bool = True,
 ) -> None:
     """Download ``url`` (or its ``archive_member``) to ``dest`` via a verified temp file."""
     tmp_path = zip_path = None
@@ -409,7 +451,7 @@ def _download(
         with _temp_file(dest, _PART_SUFFIX) as tmp:
             tmp_path = tmp.name
             if archive_member is None:
-                actual = _stream(url, dest, tmp, algo, progress, timeout)
+                actual = _stream(url, dest, tmp, algo, progress, timeout, mirror)
             else:
                 with _temp_file(dest, ".zip" + _PART_SUFFIX) as archive:
                     zip_path = archive.name
@@ -438,17 +480,18 @@ def _stream(
     algo: str,
     progress: bool,
     timeout: float,
+    mirror: bool = True,
 ) -> str:
     """Copy the body of ``url`` into ``out``; return its hex digest."""
     request = urllib.request.Request(url, headers={"User-Agent": _USER_AGENT})
     try:
         response = urllib.request.urlopen(request, timeout=timeout)
     except urllib.error.HTTPError as e:
-        raise _download_error(url, dest, f"HTTP {e.code} {e.reason}") from e
+        raise _download_error(url, dest, f"HTTP {e.code} {e.reason}", mirror) from e
     except urllib.error.URLError as e:
-        raise _download_error(url, dest, str(e.reason)) from e
+        raise _download_error(url, dest, str(e.reason), mirror) from e
     except (OSError, http.client.HTTPException) as e:  # timeouts while awaiting the headers
-        raise _download_error(url, dest, f"{type(e).__name__}: {e}") from e
+        raise _download_error(url, dest, f"{type(e).__name__}: {e}", mirror) from e
 
     digest = hashlib.new(algo)
     received = 0
@@ -472,7 +515,7 @@ def _stream(
                     chunk = response.read(_CHUNK_SIZE)
                 except (OSError, http.client.HTTPException) as e:
                     raise _download_error(
-                        url, dest, f"{type(e).__name__} after {received} bytes: {e}"
+                        url, dest, f"{type(e).__name__} after {received} bytes: {e}", mirror
                     ) from e
                 if not chunk:
                     break
@@ -481,7 +524,9 @@ def _stream(
                 received += len(chunk)
                 bar.update(len(chunk))
     if total is not None and received != total:
-        raise _download_error(url, dest, f"the connection closed after {received} of {total} bytes")
+        raise _download_error(
+            url, dest, f"the connection closed after {received} of {total} bytes", mirror
+        )
     return digest.hexdigest()
 
 

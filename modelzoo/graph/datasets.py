@@ -23,15 +23,12 @@ undirected edge, sorted by target), ``y`` and boolean ``train_mask``/``val_mask`
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import io
 import os
 import pickle
 import shutil
 import tempfile
-import urllib.error
-import urllib.request
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..store import DownloadError, cache_root
+from ..store import DownloadError, cache_root, download_to
 
 __all__ = [
     "DatasetError",
@@ -646,36 +643,8 @@ def sbm_graph_classification(
 
 # -------------------------------------------------------------------------------- download
 def _download_file(url: str, dest: Path, timeout: float = 60.0) -> None:
-    """Stream ``url`` into ``dest`` through a temporary file renamed into place."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as tmp:
-            try:
-                response = urllib.request.urlopen(url, timeout=timeout)
-            except urllib.error.HTTPError as e:
-                raise DownloadError(f"Could not download {url}: HTTP {e.code} {e.reason}") from e
-            except (urllib.error.URLError, OSError) as e:
-                raise DownloadError(
-                    f"Could not download {url}: {getattr(e, 'reason', e)}. Without network, "
-                    f"download it elsewhere and place it at {dest}"
-                ) from e
-            with response:
-                length = response.headers.get("Content-Length")
-                received = 0
-                while chunk := response.read(1 << 20):
-                    tmp.write(chunk)
-                    received += len(chunk)
-            if length is not None and length.isdigit() and received != int(length):
-                raise DownloadError(
-                    f"Could not download {url}: the connection closed after {received} of "
-                    f"{length} bytes; nothing was kept at {dest}"
-                )
-        os.chmod(tmp_name, 0o644)
-        os.replace(tmp_name, dest)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
+    """``url`` into ``dest`` through the store's downloader (temp file, rename, lock)."""
+    download_to(url, dest, timeout=timeout)
 
 
 def download_planetoid(

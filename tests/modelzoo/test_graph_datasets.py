@@ -167,10 +167,12 @@ def test_planetoid_download_from_a_local_server(tmp_path):
         gd.download_planetoid("cora", root, base_url=server.url("planetoid/data"))
         assert server.total_hits == 8  # present files are not fetched again
         # a missing file on the host: DownloadError, and no partial file is left
-        with pytest.raises(DownloadError, match="HTTP 404"):
+        with pytest.raises(DownloadError, match="HTTP 404") as info:
             gd.download_planetoid(
                 "citeseer", tmp_path / "cs", base_url=server.url("planetoid/data")
             )
+        assert "place the file by hand at" in str(info.value)
+        assert "MODELZOO_REPO_URL" not in str(info.value)  # a weights mirror serves no data
         assert not any(p.name.endswith(".part") for p in (tmp_path / "cs").iterdir())
     finally:
         server.close()
