@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 import modelzoo
-from modelzoo.vision.data import ImageFolder, RecordIODataset, digits_imagefolder
+from modelzoo.vision.data import ImageFolder, digits_imagefolder
+from modelzoo.vision.recordio import RecordIODataset
 from modelzoo.vision.tasks import DropBlockRamp, ImageClassificationTask
 from modelzoo.vision.transforms import eval_transforms, train_transforms
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header

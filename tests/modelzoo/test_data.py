@@ -19,13 +19,11 @@ from PIL import Image
 from modelzoo.vision.data import (
     BadImageError,
     ImageFolder,
-    RecordIODataset,
     RecordIOError,
     _digits_manifest_ok,
     digits_imagefolder,
-    index_recordio,
-    write_recordio,
 )
+from modelzoo.vision.recordio import RecordIODataset, index_recordio, write_recordio
 from modelzoo.vision.transforms import eval_transforms, train_transforms
 
 MAGIC = struct.pack("<I", 0xCED7230A)

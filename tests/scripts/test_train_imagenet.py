@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from modelzoo.vision.data import BadImageError, RecordIOError, write_recordio
+from modelzoo.vision.data import BadImageError, RecordIOError
+from modelzoo.vision.recordio import write_recordio
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "train_imagenet.py"
