@@ -11,6 +11,10 @@ Checkpoints of Hugging Face (``model.safetensors`` / ``pytorch_model.bin``) and 
 v0.10 (``.params``) are converted on load by :mod:`modelzoo.convert.bert`; the GluonNLP
 model names (``bert_12_768_12``, ``bert_24_1024_16``) are the registered names.
 
+(Why one module of about 670 lines: the config, the encoder, its three heads and their
+registered ``Weights`` share one parameter naming, the one :mod:`modelzoo.convert.bert`
+maps; kept together so that a renamed module cannot drift from its converter's table.)
+
 Example:
     >>> from modelzoo import get_model
     >>> from modelzoo.nlp.tokenizer import get_tokenizer

@@ -19,6 +19,9 @@ character offsets (as Hugging Face's ``run_qa.py``).
   ``null_odds.json``.
 * :func:`squad_v1_metrics` / :func:`squad_v2_metrics` are the official ``evaluate-v1.1.py`` /
   ``evaluate-v2.0.py`` scores (x100).
+
+(Why one module of about 670 lines: reading, windowing, post-processing and the official
+metric are one pipeline whose character/token offset conventions must agree end to end.)
 """
 
 from __future__ import annotations
