@@ -33,7 +33,7 @@ BERT-Large with the LANS recipe (phase batches 96K and 33K through accumulation;
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import hashlib
 import json
 import math
@@ -67,10 +67,13 @@ from trainers.cli import (
     add_optimizer_args,
     build_combiner,
     build_elastic,
-    build_optimizer,
+    elastic_config,
     elastic_resuming,
+    optimizer_config,
     run_configs,
 )
+from trainers.config import ElasticConfig
+from trainers.optim import create_optimizer
 from trainers.schedules import create_schedule
 
 PHASE_FLAGS = ("max_seq_length", "max_predictions", "steps", "batch_size", "accumulate", "lr",
@@ -481,6 +484,14 @@ def _schedule(args: argparse.Namespace, phase: int, steps: int):
 # ---------------------------------------------------------------------------------------------
 
 
+def _phase_elastic(args: argparse.Namespace, phase: int) -> ElasticConfig | None:
+    """The elastic config of one phase: its own directory under ``--elastic-dir``."""
+    config = elastic_config(args)
+    if config is None:
+        return None
+    return dataclasses.replace(config, dir=str(Path(config.dir) / f"phase{phase}"))
+
+
 def run_phase(
     args: argparse.Namespace,
     phase: int,
@@ -501,9 +512,8 @@ def run_phase(
             f"pretrain_bert.py: error: phase {phase}: {len(train)} instances are fewer than one "
             f"global batch of {global_batch} (batch x accumulate x workers)"
         )
-    phase_args = copy.copy(args)
-    phase_args.lr = getattr(args, f"phase{phase}_lr")
-    optimizer = build_optimizer(phase_args, model)
+    opt = dataclasses.replace(optimizer_config(args), lr=getattr(args, f"phase{phase}_lr"))
+    optimizer = create_optimizer(opt.name, model, **opt.kwargs())
     save_dir = Path(args.output_dir) / f"phase{phase}"
     config = TrainerConfig(
         epochs=math.ceil(steps / (len(train) // global_batch)),
@@ -527,12 +537,10 @@ def run_phase(
     trainer = Trainer(
         model, optimizer, config, env=env, logger=logger, lr_schedule=_schedule(args, phase, steps),
         train_step=train_step, eval_step=eval_step if dev is not None else None,
-        combiner=build_combiner(phase_args, env), hooks=[tracker],
+        combiner=build_combiner(args, env), hooks=[tracker],
     )  # fmt: skip
     logger.trainer = trainer
-    if args.elastic_dir:
-        phase_args.elastic_dir = str(Path(args.elastic_dir) / f"phase{phase}")
-    build_elastic(phase_args, trainer)
+    build_elastic(_phase_elastic(args, phase), trainer)
     latest = save_dir / "latest.pt"
     if resuming and args.elastic_dir is None and latest.is_file():
         trainer.resume(latest)
@@ -554,10 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     env = DistEnv.from_env()
     command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     output_dir = Path(args.output_dir)
-    elastic_args = copy.copy(args)
-    if args.elastic_dir:
-        elastic_args.elastic_dir = str(Path(args.elastic_dir) / f"phase{args.phase_list[0]}")
-    resuming = args.resume or elastic_resuming(elastic_args, args.run_log, is_main=env.is_main)
+    first = _phase_elastic(args, args.phase_list[0])
+    resuming = bool(args.resume) or elastic_resuming(first, args.run_log, is_main=env.is_main)
     appending = resuming and args.run_log is not None and Path(args.run_log).is_file()
     logger = PretrainLogger(
         args.run_log, enabled=env.is_main, logging_file=args.logging_file,

@@ -477,16 +477,18 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def elastic_resuming(args: argparse.Namespace, run_log: str | None, *, is_main: bool) -> bool:
+def elastic_resuming(
+    args: argparse.Namespace | ElasticConfig | None, run_log: str | None, *, is_main: bool
+) -> bool:
     """Whether this worker group resumes an elastic job (append to the run log, no header).
 
-    On rank 0 a torn last line of ``run_log`` (its writer was killed) is dropped.
+    ``args``: parsed flags or an :class:`ElasticConfig` (``None``: not elastic). On rank 0 a
+    torn last line of ``run_log`` (its writer was killed) is dropped.
     """
     from .elastic import ElasticState, repair_run_log  # local: keeps this section self-contained
 
-    if getattr(args, "elastic_dir", None) is None:
-        return False
-    if not ElasticState.has_checkpoint(args.elastic_dir):
+    config = args if isinstance(args, ElasticConfig) or args is None else elastic_config(args)
+    if config is None or not ElasticState.has_checkpoint(config.dir):
         return False
     if is_main and run_log is not None:
         repair_run_log(run_log)
@@ -510,11 +512,12 @@ def elastic_config(args: argparse.Namespace) -> ElasticConfig | None:
     )
 
 
-def build_elastic(args: argparse.Namespace, trainer: Any) -> Any:
-    """An :class:`~trainers.elastic.ElasticState` for ``trainer`` (None without --elastic-dir)."""
+def build_elastic(args: argparse.Namespace | ElasticConfig | None, trainer: Any) -> Any:
+    """An :class:`~trainers.elastic.ElasticState` for ``trainer`` from parsed flags or an
+    :class:`ElasticConfig` (None without ``--elastic-dir``)."""
     from .elastic import ElasticState
 
-    config = elastic_config(args)
+    config = args if isinstance(args, ElasticConfig) or args is None else elastic_config(args)
     if config is None:
         return None
     return ElasticState(

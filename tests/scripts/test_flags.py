@@ -173,3 +173,12 @@ def test_the_flags_table_names_every_shared_flag():
         f for f, n in shared.items() if n > 1 and f not in table and f not in documented_elsewhere
     )
     assert missing == [], f"docs/flags.md lacks {missing}"
+
+
+def test_pretraining_phases_get_their_own_elastic_directory(tmp_path):
+    pre = _script("pretrain_bert")
+    args = pre.parse_args(["--elastic-dir", str(tmp_path / "job"), "--grad-combine", "adasum"])
+    first, second = pre._phase_elastic(args, 1), pre._phase_elastic(args, 2)
+    assert (first.dir, second.dir) == (str(tmp_path / "job" / "phase1"), str(tmp_path / "job" / "phase2"))  # fmt: skip
+    assert first.lr_scaling == "none"  # auto with Adasum: no scaling
+    assert pre._phase_elastic(pre.parse_args([]), 1) is None
