@@ -157,22 +157,26 @@ def device_info() -> dict[str, Any]:
 
 
 def _git_state(root: Path = _REPO_ROOT) -> dict[str, Any]:
-    """``{"commit": sha or None, "dirty": bool or None}`` for the checkout holding this package.
+    """``{"commit", "dirty", "dirty_paths"}`` of the checkout holding this package.
 
-    ``dirty`` is True when a tracked file differs from the commit (untracked files, such as
-    run outputs, do not count).
+    ``dirty`` is True when a tracked file outside ``logs/`` differs from the commit: the
+    published logs and ``logs/claims.json`` are outputs (``scripts/publish.py`` updates them
+    between seeds), not code. ``dirty_paths`` lists every changed tracked path (up to 50,
+    ``logs/`` included), so a reader sees what differed. Untracked files do not count.
     """
     sha = _git_sha(root)
     if sha is None:
-        return {"commit": None, "dirty": None}
+        return {"commit": None, "dirty": None, "dirty_paths": None}
     try:
         out = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
             cwd=root, capture_output=True, text=True, timeout=10, check=True,
         )  # fmt: skip
     except (OSError, subprocess.SubprocessError):
-        return {"commit": sha, "dirty": None}
-    return {"commit": sha, "dirty": bool(out.stdout.strip())}
+        return {"commit": sha, "dirty": None, "dirty_paths": None}
+    paths = [line[3:].split(" -> ")[-1] for line in out.stdout.splitlines() if line.strip()]
+    code = [p for p in paths if not p.startswith("logs/")]
+    return {"commit": sha, "dirty": bool(code), "dirty_paths": paths[:50]}
 
 
 def machine_fingerprint(world_size: int = 1) -> dict[str, Any]:

@@ -201,3 +201,28 @@ def test_comparability_rules():
     gpu = variant(device={"type": "cuda", "name": "NVIDIA H200", "capability": "9.0"})
     if here["device"]["type"] == "cpu":
         assert "CUDA device (NVIDIA H200)" in not_comparable_reason(gpu, here)
+
+
+def test_git_state_counts_code_not_published_logs(tmp_path):
+    """Publishing rewrites logs/claims.json between seeds: that is not a dirty tree."""
+    import subprocess
+
+    from trainers.fingerprint import _git_state
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "logs" / "claims.json").write_text("{}\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    assert _git_state(tmp_path)["dirty"] is False
+    (tmp_path / "logs" / "claims.json").write_text('{"recipes": {}}\n')
+    (tmp_path / "untracked.txt").write_text("run output\n")
+    state = _git_state(tmp_path)
+    assert state["dirty"] is False and state["dirty_paths"] == ["logs/claims.json"]
+    (tmp_path / "code.py").write_text("x = 2\n")
+    state = _git_state(tmp_path)
+    assert state["dirty"] is True and set(state["dirty_paths"]) == {"code.py", "logs/claims.json"}
