@@ -261,11 +261,6 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
     )
 
 
-def optimizer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments for :func:`trainers.optim.create_optimizer` from parsed flags."""
-    return optimizer_config(args).kwargs()
-
-
 def build_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
     config = optimizer_config(args)
     return create_optimizer(config.name, model, **config.kwargs())

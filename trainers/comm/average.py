@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..dist import DistEnv
 from .base import CommCounter, GradCombiner, option, register_combiner
 
-__all__ = ["AverageCombiner", "AverageOptions"]
+__all__ = ["AverageCombiner", "AverageOptions", "DDPCombiner"]
 
 
 @dataclass(frozen=True)
@@ -42,33 +42,18 @@ class AverageOptions:
         return kwargs
 
 
-@register_combiner("average", AverageOptions)
-class AverageCombiner(GradCombiner):
-    """Average gradients across ranks with ``DistributedDataParallel``.
+class DDPCombiner(GradCombiner):
+    """What the modes built on ``DistributedDataParallel`` share: the wrapper, its
+    ``no_sync`` for non-final micro-steps, and a byte counter."""
 
-    With one rank the model is used as is. DDP all-reduces (sums, then divides by the world
-    size) bucket by bucket during the final micro-step's backward, overlapping communication
-    with computation; :meth:`no_sync` skips it on the other micro-steps.
-    """
-
-    summary = "gradients averaged by DistributedDataParallel"
-
-    def __init__(self, options: AverageOptions | None = None, **kwargs: Any) -> None:
+    def __init__(self, options: Any = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)
         self.ddp: DistributedDataParallel | None = None
         self.counter = CommCounter()
 
-    def prepare(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
-    ) -> nn.Module:
-        super().prepare(model, optimizer, env)
-        if not env.distributed:
-            return model
-        self.counter.set_model(model)
+    def _wrap(self, model: nn.Module, env: DistEnv, **ddp_kwargs: Any) -> DistributedDataParallel:
         device_ids = [env.device.index] if env.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(
-            model, device_ids=device_ids, **self.options.ddp_kwargs()
-        )
+        self.ddp = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
         return self.ddp
 
     @contextlib.contextmanager
@@ -78,6 +63,27 @@ class AverageCombiner(GradCombiner):
         else:
             with self.ddp.no_sync():
                 yield
+
+
+@register_combiner("average", AverageOptions)
+class AverageCombiner(DDPCombiner):
+    """Average gradients across ranks with ``DistributedDataParallel``.
+
+    With one rank the model is used as is. DDP all-reduces (sums, then divides by the world
+    size) bucket by bucket during the final micro-step's backward, overlapping communication
+    with computation; :meth:`no_sync` skips it on the other micro-steps.
+    """
+
+    summary = "gradients averaged by DistributedDataParallel"
+
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
+    ) -> nn.Module:
+        super().prepare(model, optimizer, env)
+        if not env.distributed:
+            return model
+        self.counter.set_model(model)
+        return self._wrap(model, env, **self.options.ddp_kwargs())
 
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
         super().step(optimizer, scaler)

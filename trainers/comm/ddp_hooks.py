@@ -14,8 +14,7 @@ sends: the P and Q factors of each compressed matrix plus the uncompressed tenso
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,22 +22,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-from torch.nn.parallel import DistributedDataParallel
 
 from ..dist import DistEnv
-from .base import CommCounter, GradCombiner, option, register_combiner
+from .average import DDPCombiner
+from .base import option, register_combiner
 
 __all__ = ["BF16Combiner", "FP16Combiner", "PowerSGDCombiner", "PowerSGDOptions"]
 
 
-class _DDPHookCombiner(GradCombiner):
+class _DDPHookCombiner(DDPCombiner):
     """DistributedDataParallel with the communication hook :meth:`_hook` returns."""
 
     def __init__(self, options: Any = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)
-        self.ddp: DistributedDataParallel | None = None
         self.state: Any = None
-        self.counter = CommCounter()
 
     def _hook(self) -> tuple[Any, Callable[..., Any]]:
         """``(state, hook)`` for ``register_comm_hook``."""
@@ -54,11 +51,10 @@ class _DDPHookCombiner(GradCombiner):
         self.counter.set_model(model)
         if not env.distributed:
             return model
-        device_ids = [env.device.index] if env.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(model, device_ids=device_ids)
+        ddp = self._wrap(model, env)
         self.state, inner = self._hook()
-        self.ddp.register_comm_hook(self.state, self._counting(inner))
-        return self.ddp
+        ddp.register_comm_hook(self.state, self._counting(inner))
+        return ddp
 
     def _counting(self, inner: Any) -> Any:
         # No annotations: DDP checks them, and this module's are strings (PEP 563).
@@ -70,14 +66,6 @@ class _DDPHookCombiner(GradCombiner):
 
     def _finish(self, future: Any) -> Any:
         return future
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        if self.ddp is None:
-            yield
-        else:
-            with self.ddp.no_sync():
-                yield
 
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
         super().step(optimizer, scaler)
