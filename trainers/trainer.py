@@ -262,6 +262,7 @@ class Trainer:
                 break
             self._end_epoch(epoch, epoch_seconds, epoch_samples, eval_dataset, collate_fn)
 
+        self.combiner.close()  # background communication (async gossip) ends with fit
         if cfg.save_dir and not self._saved_at_current_step():
             self._save_named("latest.pt")
         total_time = time.perf_counter() - fit_start
@@ -676,6 +677,7 @@ class Trainer:
             self._epoch_meter.load_state_dict(own["epoch_meter"])
         else:
             self.env.seed_everything(derive_seed(self.config.seed, self.global_step) % 2**31)
+            self.combiner.load_other_world([r["combiner"] for r in ranks])
             keep = self.env.is_main
             self._interval.load_state_dict(_Meter.merged([r["interval"] for r in ranks], keep))
             self._epoch_meter.load_state_dict(

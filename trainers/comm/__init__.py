@@ -22,6 +22,14 @@ Compressors (``compressors``) and the flatten/collective helpers (``flat``) are 
 
 # Importing the modules registers their combiners (registration order = list order).
 from . import average, adasum, ef, cser, ddp_hooks, localsgd  # noqa: F401, I001
+import importlib as _importlib
+import pkgutil as _pkgutil
+
+# Every other module of the package registers its modes too (alphabetical order), so a new
+# mode is one new file: trainers/comm/<mode>.py with a @register_combiner class.
+for _module in _pkgutil.iter_modules(__path__):
+    if not _module.name.startswith("_"):
+        _importlib.import_module(f"{__name__}.{_module.name}")
 from .adasum import AdasumCombiner, AdasumOptions, adasum_allreduce_, adasum_pair
 from .average import AverageCombiner, AverageOptions
 from .base import (

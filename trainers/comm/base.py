@@ -14,6 +14,9 @@ it calls a :class:`GradCombiner` at fixed points of every optimizer step::
     scaler.update(); optimizer.zero_grad()           # trainer
     combiner.metrics()                              # extra numbers for the step records
 
+``close()`` is called when :meth:`~trainers.Trainer.fit` ends (every rank): modes with a
+communication thread stop it there (a later step may start it again).
+
 ``synchronize()`` is called before every evaluation: combiners whose replicas drift apart
 (CSER, the local-SGD family) make them equal there. ``metrics()`` reports ``bytes_sent`` (what
 one worker sends per optimizer step), ``grad_bytes`` (the dense fp32 gradient) and
@@ -22,7 +25,10 @@ one worker sends per optimizer step), ``grad_bytes`` (the dense fp32 gradient) a
 ``state_dict()`` is saved **per rank** in checkpoints (residuals, local optimizer moments
 differ between ranks) and given back to the same rank on resume when the world size is
 unchanged, after the trainer has loaded the model and rank 0's optimizer state; after a
-world-size change ``load_state_dict`` is not called and the combiner starts fresh.
+world-size change (an elastic membership change) ``load_state_dict`` is not called:
+``load_other_world(states)`` gets every old rank's state instead (modes whose replicas
+differ rebuild the exact average of the old replicas there; the default starts fresh from
+rank 0's model).
 
 **Registry.** Every mode is one class, registered with its name and a frozen options
 dataclass that owns every default::
@@ -170,12 +176,22 @@ class GradCombiner:
         """Extra numbers for the step records (e.g. bytes sent per step)."""
         return {}
 
+    def close(self) -> None:
+        """When ``fit`` ends, on every rank: stop background communication (no-op here)."""
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's state (saved per rank)."""
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` of the same rank (called after :meth:`prepare`)."""
+
+    def load_other_world(self, states: list[dict[str, Any]]) -> None:
+        """After a world-size change: every old rank's :meth:`state_dict` (in rank order).
+
+        Called instead of :meth:`load_state_dict`, after the trainer has loaded rank 0's
+        model and optimizer. The default keeps rank 0's model and starts fresh.
+        """
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.options!r})"
@@ -250,14 +266,20 @@ class CommCounter:
     """Bytes one worker sends, summed between two :meth:`metrics` calls (the log interval).
 
     ``grad_bytes`` is the size of the dense fp32 gradient; ``compression_ratio`` is
-    ``grad_bytes / bytes_sent`` (1 for plain averaging; above 1 when sending less).
+    ``grad_bytes / bytes_sent`` (1 for plain averaging; above 1 when sending less). Modes
+    that message chosen peers (gossip) also count ``peers``: the ranks this worker exchanged
+    with per step, averaged like the bytes.
     """
 
     def __init__(self) -> None:
         self.grad_bytes = 0
         self.bytes = 0
         self.steps = 0
+        self.peers: int | None = None  # None: the mode does not count peers
         self.total_bytes = 0  # since the start (or since the combiner was created)
+
+    def add_peers(self, count: int) -> None:
+        self.peers = (self.peers or 0) + int(count)
 
     def set_model(self, model: nn.Module) -> None:
         """``grad_bytes`` = the model's trainable parameters in fp32."""
@@ -279,5 +301,8 @@ class CommCounter:
             "grad_bytes": float(self.grad_bytes),
             "compression_ratio": self.grad_bytes / per_step if per_step else math.inf,
         }
+        if self.peers is not None:
+            out["peers"] = self.peers / self.steps
+            self.peers = 0
         self.bytes, self.steps = 0, 0
         return out

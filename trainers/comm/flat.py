@@ -21,6 +21,7 @@ __all__ = [
     "average_buffers_",
     "average_models_",
     "broadcast_",
+    "exchange",
     "flat_grads",
     "flatten",
     "model_tensors",
@@ -72,6 +73,21 @@ def broadcast_(tensors: Sequence[Tensor], src: int = 0) -> None:
         flat = flatten(group, dtype=None)
         dist.broadcast(flat, src=src)
         unflatten_(group, flat)
+
+
+def exchange(
+    send: Tensor, dst: int, recv: Tensor, src: int, *, group: Any = None, tag: int = 0
+) -> list[Any]:
+    """Post a send of ``send`` to rank ``dst`` and a receive from rank ``src`` into ``recv``.
+
+    Point-to-point, non-blocking (``isend``/``irecv``; not ``batch_isend_irecv``, which can
+    hang on gloo): returns the two requests, wait on them before touching either buffer.
+    ``send`` must be a private copy that nothing writes to until then. Ranks are global.
+    """
+    return [
+        dist.isend(send, dst, group=group, tag=tag),
+        dist.irecv(recv, src, group=group, tag=tag),
+    ]
 
 
 def allreduce_mean_(
