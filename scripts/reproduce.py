@@ -12,6 +12,8 @@ Two checks (docs/run_logs.md, "Reproducing a log"):
   gets the recorded thread count and ISA pins (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``,
   ``MKL_CBWR``; on CUDA deterministic algorithms) and its trace must match the log's. Where
   it cannot, the script prints ``not comparable: <reason>`` and exits 4 without rerunning.
+  Runs whose combiner is nondeterministic by design (asynchronous AD-PSGD, recorded in the
+  header's ``configs``) are never comparable exactly.
 * **statistical** (``--full``): reruns the whole recipe on any machine and checks the final
   metric against the recipe's claim in ``logs/claims.json`` (not below max(documented
   minimum, mean - 3 std) of its published seeds). On a comparable machine the whole trace is
@@ -67,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from trainers.claims import ClaimsError, find_recipe, load_claims, metric_of
+from trainers.comm import combiner_class
 from trainers.logs import (
     ISA_PIN_VARIABLES,
     RunLogError,
@@ -244,6 +247,28 @@ def _set_flag(args: list[str], flag: str, value: str) -> list[str]:
     return [*out, flag, value]
 
 
+def nondeterministic_reason(header: dict[str, Any]) -> str | None:
+    """Why the run cannot be rerun exactly on any machine (an asynchronous combiner), or None.
+
+    Reads the header's ``configs.combiner`` (mode and options); logs without it (written
+    before the typed configs) are taken as deterministic.
+    """
+    combiner = (header.get("configs") or {}).get("combiner")
+    if not combiner:
+        return None
+    try:
+        cls = combiner_class(str(combiner["mode"]))
+        options = cls.Options(**combiner.get("options", {}))
+    except (KeyError, TypeError, ValueError) as e:
+        return f"the header's combiner {combiner!r} is not one this checkout knows ({e})"
+    if cls.is_deterministic(options):
+        return None
+    return (
+        f"--grad-combine {cls.name} with {options} is nondeterministic (its communication "
+        "races the computation); only --full's statistical check applies"
+    )
+
+
 def build_command(
     header: Record, run_log: str, *, max_steps: int | None = None, python: str = sys.executable
 ) -> list[str]:
@@ -406,11 +431,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     atol = atol if args.atol is None else args.atol
 
     reason = not_comparable_reason(header.get("fingerprint"), native_fingerprint(args.python))
+    pins = reason is None
+    reason = nondeterministic_reason(header) or reason
     if reason is not None:
         print(f"not comparable: {reason}", flush=True)
         if not args.full:
             return EXIT_NOT_COMPARABLE
-        print("running the full recipe on this machine's own kernels for the statistical check")
+        print("running the full recipe for the statistical check")
     note = code_changes(header)
     if note:
         print(note, flush=True)
@@ -425,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"reproduce.py: error: {args.log}: {e}", file=sys.stderr)
             return 2
         print("rerunning:", " ".join(command), flush=True)
-        env = rerun_env(header, pins=reason is None)
+        env = rerun_env(header, pins=pins)
         result = subprocess.run(command, cwd=REPO_ROOT, env=env, check=False)
         if result.returncode != 0:
             print(

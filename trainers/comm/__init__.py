@@ -15,6 +15,9 @@ mode               what travels                                                 
 ``localsgd``       models, every H steps (post-local SGD)                         ``localsgd``
 ``slowmo``         models every H steps, a slow momentum step every H' steps      ``localsgd``
 ``local-adaalter`` models and AdaGrad accumulators, every H steps                 ``localsgd``
+``adpsgd``         models, pairwise with one peer (sync rounds / async; H-ADPSGD) ``adpsgd``
+``pipesgd``        gradients, all-reduced while the next step computes (delay 1)  ``pipesgd``
+``sgp``            models, push-sum to one peer per step (exponential graph)      ``sgp``
 =================  =============================================================  ===============
 
 Compressors (``compressors``) and the flatten/collective helpers (``flat``) are shared.
@@ -25,11 +28,6 @@ from . import average, adasum, ef, cser, ddp_hooks, localsgd  # noqa: F401, I001
 import importlib as _importlib
 import pkgutil as _pkgutil
 
-# Every other module of the package registers its modes too (alphabetical order), so a new
-# mode is one new file: trainers/comm/<mode>.py with a @register_combiner class.
-for _module in _pkgutil.iter_modules(__path__):
-    if not _module.name.startswith("_"):
-        _importlib.import_module(f"{__name__}.{_module.name}")
 from .adasum import AdasumCombiner, AdasumOptions, adasum_allreduce_, adasum_pair
 from .average import AverageCombiner, AverageOptions
 from .base import (
@@ -131,3 +129,10 @@ __all__ = [
     "unflatten_",
     "unwrap_model",
 ]
+
+# Every other module of the package registers its modes too (alphabetical order), so a new
+# mode is one new file, trainers/comm/<mode>.py with a @register_combiner class (import its
+# classes from that module: trainers.comm.sgp.SGPCombiner).
+for _module in _pkgutil.iter_modules(__path__):
+    if not _module.name.startswith("_"):
+        _importlib.import_module(f"{__name__}.{_module.name}")

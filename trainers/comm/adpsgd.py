@@ -107,7 +107,9 @@ class ADPSGDOptions:
 
     def __post_init__(self) -> None:
         if self.node_size < 0:
-            raise ValueError(f"node_size must be >= 0 (0: the local world size), got {self.node_size}")
+            raise ValueError(
+                f"node_size must be >= 0 (0: the local world size), got {self.node_size}"
+            )
 
     @property
     def nodes_of(self) -> int | None:
@@ -120,6 +122,10 @@ class ADPSGDCombiner(GradCombiner):
     """AD-PSGD and H-ADPSGD (see the module docstring)."""
 
     summary = "decentralized: pairwise model averaging (sync rounds or async; H-ADPSGD)"
+
+    @classmethod
+    def is_deterministic(cls, options: ADPSGDOptions) -> bool:
+        return not options.asynchronous
 
     def __init__(self, options: ADPSGDOptions | None = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)
@@ -169,8 +175,12 @@ class ADPSGDCombiner(GradCombiner):
             group = dist.new_group(leaders, backend="gloo")
             if env.rank in leaders:
                 self.gossiper = _Gossiper(
-                    rank=self.node, world=self.nodes, ranks=leaders, group=group,
-                    seed=derive_seed(self.seed, env.rank, _SALT), counter=self.counter,
+                    rank=self.node,
+                    world=self.nodes,
+                    ranks=leaders,
+                    group=group,
+                    seed=derive_seed(self.seed, env.rank, _SALT),
+                    counter=self.counter,
                 )
         return model
 
@@ -318,7 +328,13 @@ class _Gossiper:
     """
 
     def __init__(
-        self, *, rank: int, world: int, ranks: list[int], group: Any, seed: int,
+        self,
+        *,
+        rank: int,
+        world: int,
+        ranks: list[int],
+        group: Any,
+        seed: int,
         counter: CommCounter,
     ) -> None:
         self.index, self.world, self.ranks, self.group = rank, world, ranks, group

@@ -128,6 +128,15 @@ class GradCombiner:
     Options: type = NoOptions
     summary: str = ""  # one line for --grad-combine's help and the docs table
 
+    @classmethod
+    def is_deterministic(cls, options: Any) -> bool:
+        """Whether runs with these options repeat bit for bit (same seed, same machine).
+
+        False for modes whose communication races the computation (asynchronous gossip);
+        ``scripts/reproduce.py`` then only checks the claim statistically.
+        """
+        return True
+
     def __init__(self, options: Any = None, *, seed: int = 0, **overrides: Any) -> None:
         cls = type(self).Options
         if options is None:

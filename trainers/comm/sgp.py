@@ -216,9 +216,7 @@ class SGPCombiner(GradCombiner):
         with torch.no_grad():
             for t, saved in zip(self._tensors(), state_dict["tensors"], strict=True):
                 t.copy_(saved)
-        self.in_flight = [
-            _InFlight(int(step), msg, msg, []) for step, msg in state_dict["pending"]
-        ]
+        self.in_flight = [_InFlight(int(step), msg, msg, []) for step, msg in state_dict["pending"]]
         assert self.optimizer is not None
         restore_optimizer_state(self.optimizer, state_dict.get("optimizer"))
 
