@@ -630,7 +630,9 @@ class Trainer:
         Every rank reads the file. With the same world size each rank gets back its own RNG
         states, combiner state and partial sums, and the run continues bit-for-bit (CPU).
         With another world size the RNGs are reseeded from ``(seed, step)``, the combiner
-        starts fresh, and the rest of the epoch's samples are re-split over the new ranks.
+        gets every old rank's state (``load_other_world``: decentralized modes rebuild the
+        exact average of the old replicas, the others start fresh from rank 0's model), and
+        the rest of the epoch's samples are re-split over the new ranks.
         """
         self.load_state_dict(load_checkpoint(path), source=str(path))
 

@@ -74,7 +74,7 @@ def resumed_vs_straight(env, mode: str, tmp: Path, **options) -> tuple:
     resumed = trainer_for(env, mode, epochs=2, **options)
     resumed.resume(path)
     resumed.fit(ToyDataset(N, noise=0.1))
-    return final(straight), final(resumed)
+    return final(straight), final(resumed), final(first), str(path)
 
 
 # -- SGP's gossip alone (lr 0, no gradient): the mixing matrices -------------------------------------

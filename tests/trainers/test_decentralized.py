@@ -246,8 +246,69 @@ def test_pipesgd_diverges_where_delayed_gradient_descent_is_unstable():
 )
 def test_resumes_bit_for_bit(four, mode):
     for r in four:
-        straight, resumed = r["resume"][mode]
+        straight, resumed = r["resume"][mode][:2]
         assert torch.equal(straight, resumed), mode
+
+
+@pytest.mark.parametrize(
+    ("mode", "name", "options"),
+    [
+        ("sgp", "sgp", {}),
+        ("sgp-overlap2", "sgp", {"overlap": 2}),
+        ("adpsgd", "adpsgd", {}),
+        ("h-adpsgd", "adpsgd", {"node_size": 2}),
+    ],
+)
+def test_a_membership_change_starts_from_the_exact_average(four, mode, name, options):
+    """A 4-rank checkpoint resumed by a world of one (what an elastic restart with another
+    world size does): the model is the mean of the 4 replicas the ranks held; for SGP with
+    overlap, push-sum's sum x / sum w over every rank's numerator and its messages in
+    flight, whose weights must add up to n."""
+    path = four[0]["resume"][mode][3]
+    replicas = torch.stack([r["resume"][mode][2] for r in four]).double()
+    trainer = _trainer_of_one(name, options)
+    trainer.resume(path)
+    got = flat(trainer.model).double()
+    if mode == "sgp-overlap2":  # w != 1 and messages in flight: sum x / sum w from the file
+        state = torch.load(path, weights_only=False)
+        x = w = 0
+        for rank in state["ranks"]:
+            c = rank["combiner"]
+            x = x + torch.cat([t.reshape(-1) for t in c["tensors"]]).double() * c["weight"]
+            w = w + c["weight"]
+            for _, msg in c["pending"]:
+                x = x + msg[:-1].double()
+                w = w + float(msg[-1])
+        assert w == pytest.approx(4.0, abs=1e-6)
+        expected = (x / w)[: got.numel()]
+    else:
+        expected = replicas.mean(0)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    if mode in ("sgp", "adpsgd"):
+        assert float((replicas[0] - replicas[1]).abs().max()) > 1e-4  # the replicas differed
+
+
+def test_pipesgd_membership_change_applies_the_gradient_in_flight(four):
+    path = four[0]["resume"]["pipesgd"][3]
+    trainer = _trainer_of_one("pipesgd", {})
+    trainer.resume(path)
+    state = torch.load(path, weights_only=False)
+    assert torch.equal(flat(trainer.model), four[0]["resume"]["pipesgd"][2])
+    assert torch.equal(trainer.combiner.ready, state["ranks"][0]["combiner"]["pending"])
+
+
+def _trainer_of_one(mode, options):
+    from trainers import RunLogger, Trainer, TrainerConfig
+
+    model = make_mlp(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=lr_fn(0), momentum=0.9, weight_decay=1e-3)
+    return Trainer(
+        model, opt,
+        TrainerConfig(epochs=2, batch_size=BATCH, seed=SEED, log_interval=0, progress=False),
+        env=DistEnv(), logger=RunLogger(None, enabled=False), lr_schedule=lr_fn,
+        combiner=create_combiner(mode, seed=SEED, **options),
+        train_step=lambda m, b: (F.cross_entropy(m(b[0]), b[1]), {}),
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
