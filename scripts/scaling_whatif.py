@@ -44,6 +44,11 @@ written since the communication modes exist) or from the model the header descri
 (``num_layers``, ``hidden_size``, ...) build. ``r`` = the sum of ``grad_bytes`` over the sum
 of ``bytes_sent`` of the step records (1 without them); ``o`` from the header's
 ``--grad-combine``. Every one of them can be overridden.
+
+The last table compares the decentralized and pipelined modes (Pipe-SGD, SGP, AD-PSGD) with
+all-reduce averaging, with and without a straggler: see "decentralized and pipelined
+methods" below for their cost models, and ``benchmarks/bench_decentralized.py`` for the
+measured check (injected link delay and straggler).
 """
 
 from __future__ import annotations
@@ -116,6 +121,83 @@ def needed_ratio(w: Workload, workers: int, gbps: float, latency: float, target:
     if budget <= 0:
         return math.inf
     return max(1.0, per_byte * w.grad_bytes / budget)
+
+
+# ---- decentralized and pipelined methods ---------------------------------------------------------
+# ``T_m`` is the method's communication per step: a ring all-reduce (:func:`comm_time`) for
+# average and pipesgd, one model to one peer (:func:`message_time`) for sgp, one model each
+# way (two messages, in the communication thread) for asynchronous adpsgd. A straggler's
+# compute takes ``s T_c``. Step times (seconds) of the fast ranks and of the straggler:
+#
+#   average (all-reduce after the backward, o = 0)   s T_c + max(0, T_m - o T_c)   every rank
+#   pipesgd (width 2: the all-reduce of step t-1      max(s T_c, T_m)               every rank
+#     runs during step t's compute)
+#   sgp, overlap 0 / adpsgd synchronous rounds      s T_c + T_m                   every rank
+#   sgp, overlap tau >= 1 (tau messages in flight)  max(s T_c, T_m / tau)         every rank
+#   adpsgd asynchronous (its own thread)            T_c (fast), s T_c (straggler)
+#
+# A blocking all-reduce or a lockstep gossip round makes every rank wait for the slowest,
+# after at most log2(n) rounds for gossip; only the asynchronous method lets the fast ranks
+# run at their own speed (its exchanges happen less often than steps when 2 T_m > T_c).
+METHODS = ("average", "pipesgd", "sgp", "sgp-overlap", "adpsgd", "adpsgd-async")
+
+
+def message_time(grad_bytes: float, gbps: float, latency: float) -> float:
+    """One model (``grad_bytes``) sent to one peer: ``S / B + a``."""
+    return grad_bytes / (gbps * 1e9 / 8) + latency
+
+
+def method_step_time(
+    method: str,
+    compute: float,
+    comm: float,
+    *,
+    straggler: float = 1.0,
+    overlap: float = 0.0,
+    tau: int = 1,
+) -> tuple[float, float]:
+    """``(fast ranks, straggler)`` seconds per step of ``method`` (see the table above).
+
+    Args:
+        compute: ``T_c`` of a normal rank.
+        comm: ``T_m`` of the method (see above).
+        straggler: ``s``, the slowest rank's compute factor (1: none).
+        overlap: ``o`` of ``average`` (DDP hides up to ``o T_c``).
+        tau: messages in flight of ``sgp-overlap``.
+    """
+    slow = straggler * compute
+    if method == "average":
+        t = slow + max(0.0, comm - overlap * compute)
+        return t, t
+    if method == "pipesgd":
+        t = max(slow, comm)
+        return t, t
+    if method in ("sgp", "adpsgd"):
+        return slow + comm, slow + comm
+    if method == "sgp-overlap":
+        t = max(slow, comm / max(1, tau))
+        return t, t
+    if method == "adpsgd-async":
+        return compute, slow
+    raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+
+
+def method_table(w: Workload, workers: Sequence[int], gbps: float, latency: float) -> str:
+    """Predicted step times (ms) of each method at ``gbps``, no straggler and one 2x slower."""
+    lines = [f"step time per method at {gbps:g} Gbps, ms (fast ranks; / with one rank 2x slower)"]
+    lines.append("workers " + "".join(f"{m:>20s}" for m in METHODS))
+    one = message_time(w.grad_bytes, gbps, latency)
+    for n in workers:
+        ring = comm_time(w, n, gbps, latency, ratio=1.0)
+        cells = []
+        for m in METHODS:
+            comm = {"average": ring, "pipesgd": ring, "adpsgd-async": 2 * one}.get(m, one)
+            o = w.overlap if m == "average" else 0.0
+            base = method_step_time(m, w.compute_time, comm, overlap=o)[0]
+            slow = method_step_time(m, w.compute_time, comm, straggler=2.0, overlap=o)[0]
+            cells.append(f"{base * 1e3:>10.1f} / {slow * 1e3:>7.1f}")
+        lines.append(f"{n:>7d} " + "".join(cells))
+    return "\n".join(lines)
 
 
 # ---- reading a log ------------------------------------------------------------------------------
@@ -378,6 +460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     w = Workload(**{**w.__dict__, **changes})
     latency = args.latency_us * 1e-6
     print(tables(w, args.workers, args.bandwidths, latency, args.target))
+    print()
+    print(method_table(w, args.workers, args.bandwidths[0], latency))
     if args.plot:
         plot(w, args.workers, args.bandwidths, latency, args.plot)
         print(f"\nwrote {args.plot}")

@@ -26,9 +26,7 @@ import argparse
 import hashlib
 import io
 import math
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 import modelzoo
+from modelzoo.fileio import atomic_write
 from modelzoo.graph import datasets as gdata
 from modelzoo.graph.sampler import NeighborSampler
 from modelzoo.store import cache_root
@@ -265,15 +264,7 @@ def export_weights(model: torch.nn.Module, name: str, directory: Path) -> Path:
     digest = hashlib.sha256(payload).hexdigest()
     directory.mkdir(parents=True, exist_ok=True)
     dest = directory / f"{name}-{digest[:8]}.pth"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{dest.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write(dest, lambda f: f.write(payload), mode=0o644)
     return dest
 
 

@@ -12,15 +12,14 @@ states to those types (the trainer stores numpy/``random`` RNG states as plain l
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
+
+from modelzoo.fileio import atomic_write, atomic_write_text
 
 __all__ = [
     "CheckpointError",
@@ -33,32 +32,6 @@ __all__ = [
 
 class CheckpointError(RuntimeError):
     """A checkpoint file is missing, truncated or not loadable."""
-
-
-def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]) -> Path:
-    """Create or replace ``path`` atomically: ``write(f)`` fills a temporary file in the same
-    directory, which is flushed, fsynced and ``os.replace``-d over ``path``. On any exception
-    the temporary file is removed and ``path`` keeps its previous content."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
-    """:func:`atomic_write` of a UTF-8 text."""
-    return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path:
@@ -113,17 +86,3 @@ def load_checkpoint(
             f"checkpoint {str(path)!r} holds a {type(state).__name__}, expected a dict"
         )
     return state
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename durable; not every platform can open a directory."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from ..fileio import atomic_write_text
 from .tokenizer import BertTokenizer
 
 __all__ = [
@@ -512,9 +513,7 @@ def write_predictions(
 
 
 def _dump(path: Path, value: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(value, indent=2, ensure_ascii=False) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------

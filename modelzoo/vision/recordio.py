@@ -19,11 +19,12 @@ import os
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 import torch
 
+from ..fileio import atomic_write, atomic_write_text
 from .data import RecordIOError, _BadMarks, _decode_sample, _SkippingDataset, _verify_transform
 
 __all__ = [
@@ -136,23 +137,17 @@ def write_recordio(
     """
     rec_path = Path(rec_path)
     idx_path = Path(idx_path) if idx_path is not None else rec_path.with_suffix(".idx")
-    rec_tmp = rec_path.with_name(f".{rec_path.name}.tmp-{os.getpid()}")
-    idx_tmp = idx_path.with_name(f".{idx_path.name}.tmp-{os.getpid()}")
-    n = 0
-    try:
-        with open(rec_tmp, "wb") as frec, open(idx_tmp, "w", encoding="ascii") as fidx:
-            for label, data in items:
-                offset = frec.tell()
-                frec.write(_encode_recordio(pack_record(IRHeader(0, label, n, 0), bytes(data))))
-                fidx.write(f"{n}\t{offset}\n")
-                n += 1
-        os.replace(rec_tmp, rec_path)
-        os.replace(idx_tmp, idx_path)
-    finally:
-        for tmp in (rec_tmp, idx_tmp):
-            if tmp.exists():
-                tmp.unlink()
-    return n
+    offsets: list[int] = []
+
+    def write(frec: IO[bytes]) -> None:
+        for label, data in items:
+            offsets.append(frec.tell())
+            record = pack_record(IRHeader(0, label, len(offsets) - 1, 0), bytes(data))
+            frec.write(_encode_recordio(record))
+
+    atomic_write(rec_path, write)
+    atomic_write_text(idx_path, "".join(f"{i}\t{o}\n" for i, o in enumerate(offsets)))
+    return len(offsets)
 
 
 def _read_record(fd: int, rec_path: str, offset: int, size: int) -> bytes:
@@ -227,9 +222,7 @@ def index_recordio(
                     break
     finally:
         os.close(fd)
-    tmp = idx_path.with_name(f".{idx_path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(f"{i}\t{o}\n" for i, o in enumerate(offsets)), encoding="ascii")
-    os.replace(tmp, idx_path)
+    atomic_write_text(idx_path, "".join(f"{i}\t{o}\n" for i, o in enumerate(offsets)))
     return len(offsets)
 
 

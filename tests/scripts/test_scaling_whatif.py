@@ -320,3 +320,24 @@ def test_plot_comm_totals_bytes_per_run(tmp_path, capsys):
     out = tmp_path / "c.png"
     assert plot_comm.main([str(path), "-o", str(out)]) == 0 and out.stat().st_size > 1000
     assert "ef-qsgd" in capsys.readouterr().out
+
+
+def test_decentralized_cost_models_by_hand():
+    """specs/decentralized.md: Pipe-SGD max(T_c, T_m); SGP one model to one peer; async
+    AD-PSGD runs at the fast ranks' speed under a straggler."""
+    tc, tm = 0.1, 0.06
+    assert whatif.method_step_time("average", tc, tm) == pytest.approx((0.16, 0.16))
+    assert whatif.method_step_time("average", tc, tm, overlap=0.5) == pytest.approx((0.11, 0.11))
+    assert whatif.method_step_time("pipesgd", tc, tm) == pytest.approx((0.1, 0.1))
+    assert whatif.method_step_time("pipesgd", tc, 0.3) == pytest.approx((0.3, 0.3))
+    assert whatif.method_step_time("sgp", tc, tm) == pytest.approx((0.16, 0.16))
+    assert whatif.method_step_time("sgp-overlap", tc, 0.3, tau=2) == pytest.approx((0.15, 0.15))
+    # one rank 2x slower: the all-reduce and lockstep modes wait for it, async does not
+    assert whatif.method_step_time("average", tc, tm, straggler=2) == pytest.approx((0.26, 0.26))
+    assert whatif.method_step_time("pipesgd", tc, tm, straggler=2) == pytest.approx((0.2, 0.2))
+    assert whatif.method_step_time("adpsgd", tc, tm, straggler=2) == pytest.approx((0.26, 0.26))
+    assert whatif.method_step_time("adpsgd-async", tc, tm, straggler=2) == pytest.approx((0.1, 0.2))
+    # one 100 MB model to one peer at 10 Gbps with 10 us latency: 0.08 s + 1e-5
+    assert whatif.message_time(1e8, 10, 1e-5) == pytest.approx(0.08001)
+    with pytest.raises(ValueError, match="unknown method"):
+        whatif.method_step_time("gossip", tc, tm)

@@ -7,9 +7,11 @@ import hashlib
 import os
 import re
 import sysconfig
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
+
+from ...fileio import atomic_write_text
 
 __all__ = [
     "stdlib_documents",
@@ -111,19 +113,16 @@ def write_stdlib_corpus(
     """Writes :func:`stdlib_documents` as a corpus file (one sentence per line, a blank line
     between documents), atomically; returns ``{"documents", "sentences", "bytes"}``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     documents = sentences = 0
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            for document in stdlib_documents(split, root=root):
-                if documents:
-                    f.write("\n")
-                f.write("\n".join(document) + "\n")
-                documents += 1
-                sentences += len(document)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    def write(f: IO[str]) -> None:
+        nonlocal documents, sentences
+        for document in stdlib_documents(split, root=root):
+            if documents:
+                f.write("\n")
+            f.write("\n".join(document) + "\n")
+            documents += 1
+            sentences += len(document)
+
+    atomic_write_text(path, write)
     return {"documents": documents, "sentences": sentences, "bytes": path.stat().st_size}

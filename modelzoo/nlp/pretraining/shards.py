@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...fileio import atomic_write
 from .instances import (
     _SHARD_NAME,
     INDEX_NAME,
@@ -59,14 +60,7 @@ def shard_dtype(max_seq_length: int, max_predictions: int, vocab_size: int) -> n
 
 
 def _atomic_save(path: Path, array: np.ndarray) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array, allow_pickle=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda f: np.save(f, array, allow_pickle=False))
 
 
 def write_shards(
