@@ -210,3 +210,37 @@ def test_two_process_minibatch_training(tmp_path):
     # 300 training nodes, a global batch of 2 x 32: 5 steps an epoch (the last one short)
     assert max(r["step"] for r in steps) == 6 * 5
     assert records[-1]["best_test_acc"] >= 0.8  # as the one-process runs above
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "mode",
+    [["sgp"], ["pipesgd"], ["adpsgd", "--adpsgd-async"]],
+    ids=["sgp", "pipesgd", "adpsgd-async"],
+)
+def test_two_process_decentralized_modes(tmp_path, mode):
+    """The decentralized/pipelined combiners through a script other than train_imagenet.py:
+    the same accuracy bar as the DDP run above, bytes and peers in the step records."""
+    log = tmp_path / "dist.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MODELZOO_HOME": str(tmp_path / "home"),
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(SCRIPT),
+        "--model", "graphsage_mean", "--dataset", "sbm", "--sbm-nodes", "3000", "--hidden", "32",
+        "--lr", "0.01", "--data-seed", "2", "--fanouts", "10,5", "--batch-size", "32",
+        "--num-epochs", "6", "--eval-interval", "3", "--run-log", str(log), "--log-interval", "1",
+        "--grad-combine", *mode, *QUIET,
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = _records(log)
+    assert records[0]["configs"]["combiner"]["mode"] == mode[0]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert max(r["step"] for r in steps) == 6 * 5
+    if mode[0] != "adpsgd":  # the asynchronous exchanges need not fall into every interval
+        assert all(r["bytes_sent"] > 0 for r in steps)
+    if mode[0] == "sgp":
+        assert all(r["peers"] == 1 for r in steps)  # one peer per step
+    assert records[-1]["best_test_acc"] >= 0.8

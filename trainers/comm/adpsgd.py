@@ -241,7 +241,7 @@ class ADPSGDCombiner(GradCombiner):
         if self.gossiper is not None:
             delta = self.gossiper.take(flatten(tensors))
         else:
-            delta = torch.zeros(sum(t.numel() for t in tensors))
+            delta = torch.zeros(sum(t.numel() for t in tensors), device=tensors[0].device)
         if self.node_group is not None:
             dist.broadcast(delta, src=self.node * self.node_size, group=self.node_group)
         if delta.any():
