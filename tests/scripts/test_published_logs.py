@@ -170,6 +170,7 @@ REPRODUCED_BY_DEFAULT = {
     "logs/karate_gcn/seed0.jsonl",  # train_gnn.py, full graph
     "logs/sbm_gin/seed0.jsonl",  # graph classification, one thread (from the fingerprint)
     "logs/digits_comm_local_adaalter_2proc/seed0.jsonl",  # local steps (in DIRTY_ONLY_IN_LOGS)
+    "logs/digits_dec_sgp_4proc/seed0.jsonl",  # 4 processes, gossip (point-to-point)
 }
 REPRODUCE_ALL = os.environ.get("MODELZOO_REPRODUCE_ALL") == "1"
 
@@ -210,6 +211,18 @@ def test_legacy_logs_are_not_comparable_and_say_why(tmp_path):
     assert result.returncode == 4, result.stdout + result.stderr
     assert "not comparable: the log has no machine fingerprint" in result.stdout
     assert "rerunning" not in result.stdout
+
+
+def test_asynchronous_runs_are_never_comparable_exactly(tmp_path):
+    """Asynchronous AD-PSGD races its communication thread against the computation: its
+    logs are statistical evidence only, and reproduce.py says so without rerunning."""
+    log = ROOT / "logs" / "digits_dec_adpsgd_async_4proc" / "seed0.jsonl"
+    header = _records(log)[0]
+    assert header["configs"]["combiner"]["options"]["asynchronous"] is True
+    result = _reproduce(log, tmp_path, "--max-steps", "1")
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "not comparable: --grad-combine adpsgd with" in result.stdout
+    assert "nondeterministic" in result.stdout and "rerunning" not in result.stdout
 
 
 # -- statistical reproduction of whole runs -----------------------------------------------------

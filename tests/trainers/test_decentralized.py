@@ -320,3 +320,13 @@ def test_digits_within_two_points_of_averaging(four, mode):
     acc = four[0]["digits"]
     assert acc["average"] > 0.93
     assert acc[mode] >= acc["average"] - 0.02, acc
+
+
+@pytest.mark.parametrize("mode", ["sgp", "adpsgd", "pipesgd"])
+def test_fp16_loss_scaling_is_refused_with_what_to_do(mode):
+    model = make_mlp(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    combiner = create_combiner(mode)
+    combiner.prepare(model, opt, DistEnv())
+    with pytest.raises(ValueError, match=f"combiner '{mode}' .*train in bfloat16 or float32"):
+        combiner.reduce_gradients(torch.amp.GradScaler("cpu"))

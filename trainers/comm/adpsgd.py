@@ -51,13 +51,14 @@ from torch import Tensor, nn
 
 from ..data import derive_seed
 from ..dist import DistEnv
-from .base import CommCounter, GradCombiner, option, register_combiner
+from .base import CommCounter, GradCombiner, option, refuse_loss_scaling, register_combiner
 from .flat import (
     allreduce_mean_,
     broadcast_,
     exchange,
     flatten,
     model_tensors,
+    replica_tensors,
     restore_optimizer_state,
     unflatten_,
 )
@@ -142,9 +143,7 @@ class ADPSGDCombiner(GradCombiner):
     # -- set-up -----------------------------------------------------------------------------------
     def _tensors(self) -> list[Tensor]:
         assert self.model is not None
-        return list(self.model.parameters()) + [
-            b for b in self.model.buffers() if b.is_floating_point()
-        ]
+        return replica_tensors(self.model)
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
@@ -185,11 +184,7 @@ class ADPSGDCombiner(GradCombiner):
         return model
 
     def reduce_gradients(self, scaler: torch.amp.GradScaler | None) -> None:
-        if scaler is not None:
-            raise ValueError(
-                "combiner 'adpsgd' steps local models whose fp16 loss scales would differ "
-                "between workers; train in bfloat16 or float32 precision"
-            )
+        refuse_loss_scaling(scaler, self.name, "steps local models whose loss scales would differ")
         if self.node_group is not None:  # H-ADPSGD: the node averages its gradients
             assert self.model is not None
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]

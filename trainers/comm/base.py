@@ -71,6 +71,7 @@ __all__ = [
     "create_combiner",
     "list_combiners",
     "option",
+    "refuse_loss_scaling",
     "register_combiner",
     "unwrap_model",
 ]
@@ -204,6 +205,15 @@ class GradCombiner:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.options!r})"
+
+
+def refuse_loss_scaling(scaler: torch.amp.GradScaler | None, mode: str, why: str) -> None:
+    """fp16 loss scaling cannot be used by ``mode`` (``why``): say so and what to do."""
+    if scaler is not None:
+        raise ValueError(
+            f"combiner {mode!r} {why}, which fp16 loss scaling would corrupt; train in "
+            "bfloat16 or float32 precision"
+        )
 
 
 # ---- the registry ------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ __all__ = [
     "flat_grads",
     "flatten",
     "model_tensors",
+    "replica_tensors",
     "restore_optimizer_state",
     "unflatten_",
 ]
@@ -33,6 +34,11 @@ __all__ = [
 def model_tensors(model: nn.Module) -> list[Tensor]:
     """Parameters then buffers (what DDP broadcasts from rank 0 at the start)."""
     return list(model.parameters()) + list(model.buffers())
+
+
+def replica_tensors(model: nn.Module) -> list[Tensor]:
+    """Parameters then floating-point buffers: what model-averaging modes mix."""
+    return list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
 
 
 def flatten(tensors: Sequence[Tensor], dtype: torch.dtype | None = torch.float32) -> Tensor:

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from ..data import derive_seed
 from ..dist import DistEnv
-from .base import CommCounter, GradCombiner, option, register_combiner
+from .base import CommCounter, GradCombiner, option, refuse_loss_scaling, register_combiner
 from .compressors import COMPRESSORS, Context, create_compressor
 from .flat import average_buffers_, broadcast_, flat_grads, model_tensors, unflatten_
 
@@ -140,11 +140,9 @@ class PipeSGDCombiner(GradCombiner):
 
     @torch.no_grad()
     def reduce_gradients(self, scaler: torch.amp.GradScaler | None) -> None:
-        if scaler is not None:
-            raise ValueError(
-                "combiner 'pipesgd' applies each gradient one step later, under another fp16 "
-                "loss scale; train in bfloat16 or float32 precision"
-            )
+        refuse_loss_scaling(
+            scaler, self.name, "applies each gradient one step later, under another scale"
+        )
         params = self._params()
         grad = flat_grads(params)  # fp32; a model all in float64 keeps float64
         if all(p.dtype == torch.float64 for p in params):

@@ -43,8 +43,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..dist import DistEnv
-from .base import CommCounter, GradCombiner, option, register_combiner
-from .flat import broadcast_, exchange, flatten, model_tensors, restore_optimizer_state, unflatten_
+from .base import CommCounter, GradCombiner, option, refuse_loss_scaling, register_combiner
+from .flat import (
+    broadcast_,
+    exchange,
+    flatten,
+    model_tensors,
+    replica_tensors,
+    restore_optimizer_state,
+    unflatten_,
+)
 
 __all__ = ["SGPCombiner", "SGPOptions", "exponential_peers"]
 
@@ -107,9 +115,7 @@ class SGPCombiner(GradCombiner):
     # -- the tensors gossiped: parameters and floating-point buffers ---------------------------
     def _tensors(self) -> list[Tensor]:
         assert self.model is not None
-        return list(self.model.parameters()) + [
-            b for b in self.model.buffers() if b.is_floating_point()
-        ]
+        return replica_tensors(self.model)
 
     def _numerator(self) -> Tensor:
         """``x = z w`` as one fp32 vector with ``w`` appended (the message layout)."""
@@ -136,11 +142,7 @@ class SGPCombiner(GradCombiner):
         return model
 
     def reduce_gradients(self, scaler: torch.amp.GradScaler | None) -> None:
-        if scaler is not None:
-            raise ValueError(
-                "combiner 'sgp' steps local models whose fp16 loss scales would differ "
-                "between workers; train in bfloat16 or float32 precision"
-            )
+        refuse_loss_scaling(scaler, self.name, "steps local models whose loss scales would differ")
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:

@@ -1,0 +1,291 @@
+"""Data-parallel L-BFGS, and its statistically adjusted variant for data arriving in batches.
+
+Every rank holds a shard of the examples. One evaluation of the objective
+
+.. math::
+    F(w) = \\frac{1}{N} \\sum_{r} \\sum_{i \\in \\text{shard}_r} \\ell_i(w) + R(w)
+
+is one ``all_reduce(SUM)`` of the buffer ``[L_r, \\nabla L_r]`` (the shard's loss sum and its
+gradient), divided by the global example count ``N``; the penalty ``R`` (e.g. ``(λ/2)||w||²``)
+is added after the reduction, on identical weights. Every rank then runs the identical
+two-loop recursion and (strong-Wolfe) line search of ``torch.optim.LBFGS`` on identical
+numbers, so the ranks stay bit-for-bit equal without broadcasting weights, and the P-rank
+iterates equal the 1-rank iterates on the concatenated data up to the summation order of
+the reduction.
+
+One :meth:`DataParallelLBFGS.step` is one L-BFGS iteration (``max_iter=1``; the history,
+step and curvature pairs persist between calls). Its first evaluation is at the point the
+previous iteration's line search ended on; the last evaluation is cached, so it costs no
+message.
+
+**Statistically adjusted updates** (:class:`StatisticallyAdjustedLBFGS`). SA L-BFGS (Purpura
+et al., "Statistically adaptive learning for a general class of cost functions (SA
+L-BFGS)", arXiv:1209.0029) keeps batch L-BFGS near real time as data arrives by balancing
+"previous weights, old training examples and new training examples". The paper's exact
+rule could not be read here (no offline copy); what is implemented is our reading, stated
+exactly: when batch ``k`` arrives (``n_k`` examples over all ranks),
+
+.. math::
+    F_k(w) = \\frac{\\sum_{j \\le k} \\gamma^{k-j} L_j(w)}{\\sum_{j \\le k} \\gamma^{k-j} n_j} + R(w)
+
+where ``L_j`` is the loss sum over batch ``j``: old and new examples weighted by their counts
+(``decay`` ``γ = 1``: every example seen so far counts once, so ``F_k`` is the batch objective
+on all data so far; ``γ < 1`` forgets old batches geometrically). The previous weights are
+the warm start, and the L-BFGS curvature pairs of the earlier objectives are kept (the one
+pair that would straddle the change of objective is skipped), so a few iterations per batch
+suffice. Each rank keeps its own shards of the old batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .messages import Messenger
+
+__all__ = ["DataParallelLBFGS", "LBFGSConfig", "StatisticallyAdjustedLBFGS"]
+
+
+@dataclass(frozen=True)
+class LBFGSConfig:
+    """L-BFGS settings (``torch.optim.LBFGS``'s, one iteration per :meth:`step`).
+
+    Attributes:
+        lr: step length scale (1 is the quasi-Newton step).
+        history_size: curvature pairs kept.
+        line_search: ``"strong_wolfe"`` or ``None`` (fixed step ``lr``).
+        tolerance_grad: stop when ``max |∇F| <= tolerance_grad``.
+        tolerance_change: stop when a step or a loss change is below it.
+        max_evals: evaluations one iteration's line search may take.
+    """
+
+    lr: float = 1.0
+    history_size: int = 10
+    line_search: str | None = "strong_wolfe"
+    tolerance_grad: float = 1e-7
+    tolerance_change: float = 1e-9
+    max_evals: int = 25
+
+    def __post_init__(self) -> None:
+        if self.line_search not in ("strong_wolfe", None):
+            raise ValueError(f"line_search={self.line_search!r}: choose 'strong_wolfe' or None")
+        if self.lr <= 0 or self.history_size < 1 or self.max_evals < 1:
+            raise ValueError(
+                f"lr={self.lr}, history_size={self.history_size} and max_evals={self.max_evals} "
+                "must be positive"
+            )
+
+
+class DataParallelLBFGS:
+    """L-BFGS on a data-parallel objective, one all-reduce per evaluation.
+
+    Args:
+        params: the parameters (identical on every rank at the start).
+        local_loss_sum: returns this rank's loss *sum* over its shard (autograd graph to
+            ``params``), without the penalty.
+        num_examples: this rank's example count; the global ``N`` is reduced once here.
+        penalty: returns ``R(w)`` (autograd), added after the reduction; optional.
+        config: :class:`LBFGSConfig`.
+        messenger: the counted all-reduce (default: over the world).
+
+    Example:
+        >>> solver = DataParallelLBFGS(model.parameters(),
+        ...     lambda: model.loss_sum(X, y), len(y), penalty=lambda: model.penalty(1e-3))
+        >>> for _ in range(100):
+        ...     loss = solver.step()
+        ...     if solver.converged: break
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        local_loss_sum: Callable[[], torch.Tensor],
+        num_examples: float,
+        *,
+        penalty: Callable[[], torch.Tensor] | None = None,
+        config: LBFGSConfig | None = None,
+        messenger: Messenger | None = None,
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("DataParallelLBFGS got no parameters that require grad")
+        self.config = config or LBFGSConfig()
+        self.messenger = messenger or Messenger()
+        self.penalty = penalty
+        self.optimizer = torch.optim.LBFGS(
+            self.params,
+            lr=self.config.lr,
+            max_iter=1,
+            max_eval=self.config.max_evals + 1,  # + the evaluation at the start of step()
+            tolerance_grad=self.config.tolerance_grad,
+            tolerance_change=self.config.tolerance_change,
+            history_size=self.config.history_size,
+            line_search_fn=self.config.line_search,
+        )
+        self.evaluations = 0  # objective evaluations that sent a message
+        self.iterations = 0
+        self.converged = False
+        self._cache: tuple[torch.Tensor, float, list[torch.Tensor]] | None = None
+        self.set_objective(local_loss_sum, num_examples)
+
+    # -- the objective -----------------------------------------------------------------------
+    def _global_count(self, num_examples: float) -> float:
+        p = self.params[0]
+        count = torch.tensor([float(num_examples)], dtype=torch.float64, device=p.device)
+        total = float(self.messenger.all_reduce_sum(count))
+        if total <= 0:
+            raise ValueError(f"the objective has no examples (global count {total})")
+        return total
+
+    def set_objective(self, local_loss_sum: Callable[[], torch.Tensor], num_examples: float) -> None:
+        """Replace the objective (``num_examples`` this rank's, reduced to the global N).
+
+        The curvature pairs are kept; the pair from the last step, which would mix the old
+        objective's gradient with the new one's, is skipped.
+        """
+        self.local_loss_sum = local_loss_sum
+        self.num_examples = self._global_count(num_examples)
+        self._cache = None
+        self.converged = False
+        state = self.optimizer.state.get(self.params[0], {})
+        if state.get("n_iter", 0) >= 1:
+            self.evaluate()
+            # y = g_new(w) - prev_flat_grad = 0 at the next iteration: torch skips a pair
+            # with y's < 1e-10, so no pair straddles the change of objective.
+            state["prev_flat_grad"] = self._flat_grad().clone()
+
+    def _flat_grad(self) -> torch.Tensor:
+        return torch.cat([p.grad.reshape(-1) for p in self.params])
+
+    def _key(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+    def evaluate(self) -> float:
+        """``F(w)`` at the current weights, with ``p.grad = ∇F`` (cached for unchanged w)."""
+        key = self._key()
+        if self._cache is not None and torch.equal(self._cache[0], key):
+            _, loss, grads = self._cache
+            for p, g in zip(self.params, grads, strict=True):
+                p.grad = g.clone()
+            return loss
+        with torch.enable_grad():
+            local = self.local_loss_sum()
+            grads = torch.autograd.grad(local, self.params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
+        buffer = torch.cat([local.detach().reshape(1).to(key.dtype)] + [g.reshape(-1) for g in grads])
+        self.messenger.all_reduce_sum(buffer)  # (1 + numel,): [L, ∇L] summed over ranks
+        self.evaluations += 1
+        buffer /= self.num_examples
+        loss = buffer[0]
+        offset = 1
+        total: list[torch.Tensor] = []
+        for p in self.params:
+            total.append(buffer[offset : offset + p.numel()].view_as(p).clone())
+            offset += p.numel()
+        if self.penalty is not None:
+            with torch.enable_grad():
+                r = self.penalty()
+                extra = torch.autograd.grad(r, self.params, allow_unused=True)
+            loss = loss + r.detach()
+            total = [t if e is None else t + e for t, e in zip(total, extra, strict=True)]
+        value = float(loss)
+        self._cache = (key, value, [t.clone() for t in total])
+        for p, g in zip(self.params, total, strict=True):
+            p.grad = g
+        return value
+
+    # -- iterations ---------------------------------------------------------------------------
+    def step(self) -> float:
+        """One L-BFGS iteration; returns ``F`` at the new weights (and sets ``converged``)."""
+        before = self._key()
+        self.optimizer.step(self.evaluate)
+        self.iterations += 1
+        loss = self.evaluate()  # cached when the line search ended here
+        grad_max = float(self._flat_grad().abs().max())
+        moved = not torch.equal(before, self._key())
+        self.converged = grad_max <= self.config.tolerance_grad or not moved
+        return loss
+
+    def run(self, max_iter: int, callback: Callable[[int, float], None] | None = None) -> float:
+        """Up to ``max_iter`` iterations, stopping at convergence; ``callback(it, loss)``."""
+        loss = self.evaluate()
+        for it in range(1, max_iter + 1):
+            loss = self.step()
+            if callback is not None:
+                callback(it, loss)
+            if self.converged:
+                break
+        return loss
+
+
+class StatisticallyAdjustedLBFGS:
+    """L-BFGS over batches that arrive one at a time (our reading of SA L-BFGS; see the
+    module docstring for the exact objective).
+
+    Args:
+        model: a module with ``loss_sum(X, y)`` (a :class:`modelzoo.linear.GLM`, or any).
+        penalty: ``R(w)``; optional.
+        decay: ``γ`` in (0, 1]: weight of a batch per later batch.
+        config, messenger: as for :class:`DataParallelLBFGS`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        penalty: Callable[[], torch.Tensor] | None = None,
+        decay: float = 1.0,
+        config: LBFGSConfig | None = None,
+        messenger: Messenger | None = None,
+    ) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay={decay} must be in (0, 1]")
+        self.model, self.decay = model, decay
+        self.penalty, self.config = penalty, config
+        self.messenger = messenger or Messenger()
+        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.solver: DataParallelLBFGS | None = None
+
+    def _weights(self) -> list[float]:
+        k = len(self.batches)
+        return [self.decay ** (k - 1 - j) for j in range(k)]
+
+    def _local_loss_sum(self) -> torch.Tensor:
+        weights = self._weights()
+        total = self.model.loss_sum(*self.batches[0]) * weights[0]
+        for weight, (X, y) in zip(weights[1:], self.batches[1:], strict=True):
+            total = total + weight * self.model.loss_sum(X, y)
+        return total
+
+    def add_batch(self, X: torch.Tensor, y: torch.Tensor) -> None:
+        """This rank's shard of the new batch (may be empty on some ranks)."""
+        self.batches.append((X, y))
+        count = sum(w * len(b[1]) for w, b in zip(self._weights(), self.batches, strict=True))
+        if self.solver is None:
+            self.solver = DataParallelLBFGS(
+                self.model.parameters(), self._local_loss_sum, count,
+                penalty=self.penalty, config=self.config, messenger=self.messenger,
+            )  # fmt: skip
+        else:
+            self.solver.set_objective(self._local_loss_sum, count)
+
+    def fit_batch(
+        self,
+        X: torch.Tensor,
+        y: torch.Tensor,
+        iterations: int,
+        callback: Callable[[int, float], None] | None = None,
+    ) -> float:
+        """:meth:`add_batch`, then up to ``iterations`` L-BFGS iterations on ``F_k``."""
+        self.add_batch(X, y)
+        assert self.solver is not None
+        return self.solver.run(iterations, callback)
+
+    def fit_stream(
+        self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], iterations: int
+    ) -> list[float]:
+        """Every batch in turn; the objective after each batch."""
+        return [self.fit_batch(X, y, iterations) for X, y in batches]
