@@ -87,7 +87,7 @@ def gossip_rounds(env, overlap: int, rounds: int) -> dict:
     with torch.no_grad():
         g = torch.Generator().manual_seed(100 + env.rank)
         for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (1 + env.rank))
+            p.copy_(torch.randn(p.shape, generator=g, device="cpu") * (1 + env.rank))
     start = flatten(list(model.parameters()))
     xs, sums, weights = [], [], []
     for _ in range(rounds):
@@ -173,8 +173,20 @@ def digits_accuracy(env, mode: str, lr: float = 0.05, **options) -> float:
     return trainer.last_eval["top1"]
 
 
+def nccl_checks(env, out: Path) -> None:
+    """The NCCL code path (GPU tensors, point-to-point and asynchronous all-reduce)."""
+    res = {"gossip": gossip_rounds(env, overlap=0, rounds={2: 1, 4: 2, 8: 3}[env.world_size])}
+    res["gossip_overlap"] = gossip_rounds(env, overlap=2, rounds=6)
+    torch.save(res, out / f"rank{env.rank}.pt")
+
+
 def main(out: Path) -> None:
     torch.set_num_threads(1)
+    if len(sys.argv) > 2 and sys.argv[2] == "cuda":
+        with DistEnv.from_env(device="cuda") as env:
+            torch.set_default_device(env.device)
+            nccl_checks(env, out)
+        return
     with DistEnv.from_env(device="cpu") as env:
         n, res = env.world_size, {}
         rounds = {2: 1, 4: 2, 8: 3}[n]
@@ -231,4 +243,4 @@ def fit_(trainer: Trainer, noise: float = 0.1) -> Trainer:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]))  # argv[2] == "cuda": the NCCL checks

@@ -330,3 +330,19 @@ def test_fp16_loss_scaling_is_refused_with_what_to_do(mode):
     combiner.prepare(model, opt, DistEnv())
     with pytest.raises(ValueError, match=f"combiner '{mode}' .*train in bfloat16 or float32"):
         combiner.reduce_gradients(torch.amp.GradScaler("cpu"))
+
+
+@pytest.mark.gpu
+def test_sgp_mixing_on_nccl(tmp_path):
+    """The same mixing oracles over NCCL on 2 GPUs (skipped without them)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    run_ranks("tests.trainers._decentral_worker", [str(tmp_path), "cuda"], world=2, timeout=600)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", map_location="cpu", weights_only=False)
+             for r in range(2)]  # fmt: skip
+    mean = torch.stack([r["gossip"]["start"].double() for r in ranks]).mean(0)
+    for r in ranks:
+        torch.testing.assert_close(r["gossip"]["x"][-1].double(), mean, rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            r["gossip_overlap"]["synchronized"].double(), mean, rtol=0, atol=1e-6
+        )
