@@ -170,7 +170,6 @@ REPRODUCED_BY_DEFAULT = {
     "logs/karate_gcn/seed0.jsonl",  # train_gnn.py, full graph
     "logs/sbm_gin/seed0.jsonl",  # graph classification, one thread (from the fingerprint)
     "logs/digits_comm_local_adaalter_2proc/seed0.jsonl",  # local steps (in DIRTY_ONLY_IN_LOGS)
-    "logs/digits_dec_sgp_4proc/seed0.jsonl",  # 4 processes, gossip (point-to-point)
 }
 REPRODUCE_ALL = os.environ.get("MODELZOO_REPRODUCE_ALL") == "1"
 
