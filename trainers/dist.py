@@ -157,12 +157,19 @@ class DistEnv:
     def __enter__(self) -> DistEnv:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.destroy()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.destroy(barrier=exc_type is None)
 
-    def destroy(self) -> None:
-        """Destroy the process group if :meth:`from_env` created it."""
+    def destroy(self, *, barrier: bool = False) -> None:
+        """Destroy the process group if :meth:`from_env` created it.
+
+        ``barrier=True`` (a clean exit of the ``with`` block) first waits for every rank, so
+        that no rank tears its gloo connections down while a peer still uses them (which can
+        abort that peer at exit: "terminate called without an active exception").
+        """
         if self.owns_process_group and dist.is_initialized():
+            if barrier and self.distributed:
+                self.barrier()
             dist.destroy_process_group()
 
     # -- collectives (no-ops for a world of one) -------------------------------------------
