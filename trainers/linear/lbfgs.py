@@ -128,7 +128,7 @@ class DataParallelLBFGS:
         self.evaluations = 0  # objective evaluations that sent a message
         self.iterations = 0
         self.converged = False
-        self._cache: tuple[torch.Tensor, float, list[torch.Tensor]] | None = None
+        self._cache: tuple[list[torch.Tensor], float, list[torch.Tensor]] | None = None
         self.set_objective(local_loss_sum, num_examples)
 
     # -- the objective -----------------------------------------------------------------------
@@ -140,7 +140,9 @@ class DataParallelLBFGS:
             raise ValueError(f"the objective has no examples (global count {total})")
         return total
 
-    def set_objective(self, local_loss_sum: Callable[[], torch.Tensor], num_examples: float) -> None:
+    def set_objective(
+        self, local_loss_sum: Callable[[], torch.Tensor], num_examples: float
+    ) -> None:
         """Replace the objective (``num_examples`` this rank's, reduced to the global N).
 
         The curvature pairs are kept; the pair from the last step, which would mix the old
@@ -160,13 +162,17 @@ class DataParallelLBFGS:
     def _flat_grad(self) -> torch.Tensor:
         return torch.cat([p.grad.reshape(-1) for p in self.params])
 
-    def _key(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.params])
+    def _key(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.params]
+
+    @staticmethod
+    def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
     def evaluate(self) -> float:
         """``F(w)`` at the current weights, with ``p.grad = ∇F`` (cached for unchanged w)."""
         key = self._key()
-        if self._cache is not None and torch.equal(self._cache[0], key):
+        if self._cache is not None and self._same(self._cache[0], key):
             _, loss, grads = self._cache
             for p, g in zip(self.params, grads, strict=True):
                 p.grad = g.clone()
@@ -174,8 +180,11 @@ class DataParallelLBFGS:
         with torch.enable_grad():
             local = self.local_loss_sum()
             grads = torch.autograd.grad(local, self.params, allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
-        buffer = torch.cat([local.detach().reshape(1).to(key.dtype)] + [g.reshape(-1) for g in grads])
+        grads = [
+            torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads, strict=True)
+        ]
+        dtype = self.params[0].dtype
+        buffer = torch.cat([local.detach().reshape(1).to(dtype)] + [g.reshape(-1) for g in grads])
         self.messenger.all_reduce_sum(buffer)  # (1 + numel,): [L, ∇L] summed over ranks
         self.evaluations += 1
         buffer /= self.num_examples
@@ -183,7 +192,7 @@ class DataParallelLBFGS:
         offset = 1
         total: list[torch.Tensor] = []
         for p in self.params:
-            total.append(buffer[offset : offset + p.numel()].view_as(p).clone())
+            total.append(buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         if self.penalty is not None:
             with torch.enable_grad():
@@ -192,9 +201,9 @@ class DataParallelLBFGS:
             loss = loss + r.detach()
             total = [t if e is None else t + e for t, e in zip(total, extra, strict=True)]
         value = float(loss)
-        self._cache = (key, value, [t.clone() for t in total])
+        self._cache = (key, value, total)
         for p, g in zip(self.params, total, strict=True):
-            p.grad = g
+            p.grad = g.clone()
         return value
 
     # -- iterations ---------------------------------------------------------------------------
@@ -205,7 +214,7 @@ class DataParallelLBFGS:
         self.iterations += 1
         loss = self.evaluate()  # cached when the line search ended here
         grad_max = float(self._flat_grad().abs().max())
-        moved = not torch.equal(before, self._key())
+        moved = not self._same(before, self._key())
         self.converged = grad_max <= self.config.tolerance_grad or not moved
         return loss
 

@@ -1,0 +1,335 @@
+"""Train a linear model (logistic, multinomial, least squares, hinge) with distributed
+L-BFGS, plain feature-partitioned SGD or CA-SGD. With no flags it fits L2-regularised
+logistic regression on scikit-learn's breast-cancer data with L-BFGS and prints the held-out
+accuracy:
+
+    python scripts/train_linear.py
+
+More recipes (docs/linear.md):
+
+    python scripts/train_linear.py --dataset digits                      # multinomial, L-BFGS
+    python scripts/train_linear.py --dataset wine --solver casgd --s-steps 4 --precision bf16
+    python scripts/train_linear.py --dataset synthetic --synthetic-features 10000000 \\
+        --nnz-per-row 20 --synthetic-samples 200000 --solver casgd --s-steps 8 --batch-size 256
+    python scripts/train_linear.py --dataset svmlight --data-file train.svm --n-features 47236
+    torchrun --nproc-per-node 2 scripts/train_linear.py --solver casgd --s-steps 4
+
+Under ``torchrun --nproc-per-node N``: L-BFGS is data parallel (each rank holds a contiguous
+shard of the training rows; one all-reduce of [loss, gradient] per evaluation); SGD and CA-SGD
+are feature partitioned (each rank holds a block of the columns, the intercept column on the
+last rank). ``--sa-batches K`` feeds L-BFGS the training rows in K batches with the
+statistically adjusted objective of :mod:`trainers.linear.lbfgs`. The run log
+(``--run-log``) has a ``step`` record per iteration or mini-batch round, an ``epoch`` and an
+``eval`` record per epoch (L-BFGS: per arriving batch) and an ``end`` record with the final
+test metrics; ``scripts/reproduce.py`` reruns it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from typing import Any
+
+import torch
+
+from modelzoo.linear import (
+    LOSSES,
+    add_intercept_column,
+    build_linear_model,
+    column_slice,
+    load_bundled,
+    load_svmlight,
+    row_slice,
+    synthetic_sparse,
+)
+from modelzoo.linear.svmlight import SvmlightFormatError
+from trainers import DistEnv, RunLogger, make_header
+from trainers.cli import ArgumentParser
+from trainers.linear import (
+    FeaturePartitionedSGD,
+    LBFGSConfig,
+    Messenger,
+    StatisticallyAdjustedLBFGS,
+    column_blocks,
+    epoch_batches,
+)
+
+DATASETS = ("breast_cancer", "digits", "wine", "diabetes", "synthetic", "svmlight")
+SOLVERS = ("lbfgs", "sgd", "casgd")
+DEFAULT_LOSS = {"binary": "logistic", "multiclass": "multinomial", "regression": "squared"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(description="Train a linear model with distributed L-BFGS or CA-SGD.")
+    d = p.add_argument_group("data")
+    d.add_argument("--dataset", type=str.lower, default="breast_cancer", help=", ".join(DATASETS))
+    d.add_argument("--data-file", type=str, default=None, help="--dataset svmlight: the file")
+    d.add_argument("--n-features", type=int, default=None, help="svmlight: columns (default: file)")
+    d.add_argument("--zero-based", type=str, default="auto", choices=("auto", "true", "false"),
+                   help="svmlight: indices start at 0 (auto: if some index is 0)")  # fmt: skip
+    d.add_argument("--test-fraction", type=float, default=0.25, help="held-out share of rows")
+    d.add_argument("--synthetic-samples", type=int, default=20_000, help="synthetic: rows")
+    d.add_argument("--synthetic-features", type=int, default=1_000_000, help="synthetic: columns")
+    d.add_argument("--nnz-per-row", type=int, default=20, help="synthetic: non-zeros per row")
+    d.add_argument("--synthetic-task", type=str, default="logistic", choices=("logistic", "linear"))
+    d.add_argument("--synthetic-columns", type=str, default="zipf", choices=("zipf", "uniform"),
+                   help="synthetic: feature popularity")  # fmt: skip
+    d.add_argument("--data-seed", type=int, default=None,
+                   help="split / synthetic data seed (default: --seed)")  # fmt: skip
+
+    m = p.add_argument_group("model and solver")
+    m.add_argument("--loss", type=str, default=None,
+                   help=f"one of {sorted(LOSSES)}; default from the task")  # fmt: skip
+    m.add_argument("--solver", type=str.lower, default="lbfgs", help=", ".join(SOLVERS))
+    m.add_argument("--wd", type=float, default=1e-3, help="L2 weight λ: mean loss + λ/2 |w|²")
+    m.add_argument("--lr", type=float, default=None, help="step (lbfgs default 1, sgd 0.1)")
+    m.add_argument("--history-size", type=int, default=10, help="lbfgs: curvature pairs")
+    m.add_argument("--iterations", type=int, default=100, help="lbfgs: iterations (per batch)")
+    m.add_argument("--no-line-search", action="store_true", help="lbfgs: fixed step --lr")
+    m.add_argument("--sa-batches", type=int, default=1, help="lbfgs: data arrives in K batches")
+    m.add_argument("--sa-decay", type=float, default=1.0, help="lbfgs: old-batch weight per batch")
+    m.add_argument("--s-steps", "--s", dest="s", type=int, default=4,
+                   help="casgd: mini-batches per all-reduce (under torchrun spell it --s-steps: "
+                   "torchrun's own parser reads --s as an abbreviation of its options)")  # fmt: skip
+    m.add_argument("--precision", type=str.lower, default="fp32",
+                   choices=("fp64", "fp32", "bf16", "fp16"),
+                   help="sgd/casgd: bf16/fp16 data and margins, fp32 Gram and updates")  # fmt: skip
+    m.add_argument("--latency-ms", type=float, default=0.0, help="sleep before each all-reduce")
+
+    o = p.add_argument_group("training and logging")
+    o.add_argument("--batch-size", type=int, default=32, help="sgd/casgd: rows per mini-batch")
+    o.add_argument("--num-epochs", "--epochs", dest="num_epochs", type=int, default=20,
+                   help="sgd/casgd: passes over the data")  # fmt: skip
+    o.add_argument("--max-steps", type=int, default=None,
+                   help="stop after N iterations (lbfgs) or mini-batches (sgd/casgd)")  # fmt: skip
+    o.add_argument("--log-interval", type=int, default=1, help="iterations/rounds per step record")
+    o.add_argument("--seed", type=int, default=0,
+                   help="mini-batch order, and the split unless --data-seed is given")  # fmt: skip
+    o.add_argument("--run-log", type=str, default=None, help="JSON Lines run log")
+    o.add_argument("--no-progress", action="store_true", help="accepted; no progress bar here")
+    args = p.parse_args(argv)
+    if args.data_seed is None:  # a seed is a different split: what seeds vary for L-BFGS
+        args.data_seed = args.seed
+
+    if args.dataset not in DATASETS:
+        p.error(f"--dataset {args.dataset!r}: choose one of {', '.join(DATASETS)}")
+    if args.solver not in SOLVERS:
+        p.error(f"--solver {args.solver!r}: choose one of {', '.join(SOLVERS)}")
+    if args.dataset == "svmlight" and not args.data_file:
+        p.error("--dataset svmlight needs --data-file PATH")
+    if args.loss is not None and args.loss not in LOSSES:
+        p.error(f"--loss {args.loss!r}: choose one of {', '.join(sorted(LOSSES))}")
+    if args.s < 1:
+        p.error(f"--s-steps must be at least 1, got {args.s}")
+    for flag in ("batch_size", "num_epochs", "iterations", "sa_batches", "history_size"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.max_steps is not None and args.max_steps < 1:
+        p.error(f"--max-steps must be positive, got {args.max_steps}")
+    if not 0.0 < args.test_fraction < 1.0:
+        p.error(f"--test-fraction must be in (0, 1), got {args.test_fraction}")
+    if args.solver != "lbfgs" and args.sa_batches > 1:
+        p.error("--sa-batches is an L-BFGS option; use --solver lbfgs")
+    if args.lr is None:
+        args.lr = 1.0 if args.solver == "lbfgs" else 0.1
+    return args
+
+
+# ------------------------------------------------------------------------------------- data
+def load_data(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
+    """``X_train, y_train, X_test, y_test, task, num_classes`` for the flags."""
+    if args.dataset in ("breast_cancer", "digits", "wine", "diabetes"):
+        d = load_bundled(args.dataset, test_size=args.test_fraction, seed=args.data_seed,
+                         dtype=dtype)  # fmt: skip
+        return {"X_train": d.X_train, "y_train": d.y_train, "X_test": d.X_test,
+                "y_test": d.y_test, "task": d.task, "num_classes": d.num_classes}  # fmt: skip
+    if args.dataset == "synthetic":
+        s = synthetic_sparse(args.synthetic_samples, args.synthetic_features, args.nnz_per_row,
+                             task=args.synthetic_task, columns=args.synthetic_columns,
+                             seed=args.data_seed, dtype=dtype)  # fmt: skip
+        X, y = s.X, s.y
+        task = "binary" if args.synthetic_task == "logistic" else "regression"
+    else:
+        zero_based = {"auto": "auto", "true": True, "false": False}[args.zero_based]
+        try:
+            data = load_svmlight(args.data_file, args.n_features, zero_based=zero_based,
+                                 dtype=dtype)  # fmt: skip
+        except (SvmlightFormatError, FileNotFoundError) as e:
+            raise SystemExit(f"--data-file: {e}") from None
+        X, y = data.X, data.y
+        labels = torch.unique(y)
+        if labels.numel() <= 2 and bool(((labels == 0) | (labels == 1) | (labels == -1)).all()):
+            y = (y > 0).to(dtype)  # {-1, +1} or {0, 1} -> {0, 1}
+            task = "binary"
+        elif (
+            bool((labels == labels.round()).all()) and labels.min() >= 0 and labels.numel() <= 1000
+        ):
+            y, task = y.long(), "multiclass"
+        else:
+            task = "regression"
+    n_test = max(1, int(round(args.test_fraction * X.shape[0])))
+    if X.shape[0] - n_test < 1:
+        raise SystemExit(f"{X.shape[0]} examples: too few to hold out --test-fraction")
+    cut = X.shape[0] - n_test  # the last rows are held out
+    num_classes = int(y.max()) + 1 if task == "multiclass" else (2 if task == "binary" else 0)
+    return {"X_train": row_slice(X, 0, cut), "y_train": y[:cut],
+            "X_test": row_slice(X, cut, X.shape[0]), "y_test": y[cut:],
+            "task": task, "num_classes": num_classes}  # fmt: skip
+
+
+def metrics(task: str, margins: torch.Tensor, y: torch.Tensor, loss: str, prefix: str) -> dict:
+    """Mean loss, and accuracy (classification) or mean squared error (regression)."""
+    value = LOSSES[loss].value(margins, y).double().mean()
+    out = {f"{prefix}_loss": float(value)}
+    if task == "regression":
+        out[f"{prefix}_mse"] = float(((margins - y) ** 2).double().mean())
+    else:
+        pred = margins.argmax(1) if margins.dim() == 2 else (margins > 0).long()
+        out[f"{prefix}_accuracy"] = float((pred == y.long()).double().mean())
+    return out
+
+
+# ------------------------------------------------------------------------------------- solvers
+def train_lbfgs(
+    args: argparse.Namespace,
+    env: DistEnv,
+    logger: RunLogger,
+    data: dict[str, Any],
+    loss: str,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    """Data-parallel (statistically adjusted) L-BFGS; the ``end`` record's metrics."""
+    X, y = data["X_train"], data["y_train"]
+    n = X.shape[0]
+    model = build_linear_model(loss, X.shape[1], max(data["num_classes"], 2), dtype=dtype)
+    messenger = Messenger(latency=args.latency_ms / 1000)
+    config = LBFGSConfig(lr=args.lr, history_size=args.history_size,
+                         line_search=None if args.no_line_search else "strong_wolfe")  # fmt: skip
+    sa = StatisticallyAdjustedLBFGS(model, penalty=lambda: model.penalty(args.wd),
+                                    decay=args.sa_decay, config=config, messenger=messenger)  # fmt: skip
+    budget = args.max_steps if args.max_steps is not None else math.inf
+    step, start = 0, time.perf_counter()
+    arrivals = torch.linspace(0, n, args.sa_batches + 1).round().long().tolist()
+    epochs = 0
+    for k in range(args.sa_batches):
+        if step >= budget:
+            break
+        lo, hi = arrivals[k], arrivals[k + 1]  # the k-th arriving batch, sharded over ranks
+        shard = torch.linspace(lo, hi, env.world_size + 1).round().long().tolist()
+        a, b = shard[env.rank], shard[env.rank + 1]
+        sa.add_batch(row_slice(X, a, b), y[a:b])
+        solver = sa.solver
+        assert solver is not None
+        t0, loss_value = time.perf_counter(), solver.evaluate()
+        for it in range(args.iterations):
+            if step >= budget:
+                break
+            loss_value = solver.step()
+            step += 1
+            if step % args.log_interval == 0:
+                speed = (hi * (it + 1)) / max(time.perf_counter() - t0, 1e-9)
+                logger.step(epoch=k, batch=it, step=step, loss=loss_value, lr=args.lr,
+                            samples_per_sec=speed, messages=messenger.messages)  # fmt: skip
+            if solver.converged:
+                break
+        elapsed = time.perf_counter() - t0
+        logger.epoch(epoch=k, step=step, loss=loss_value, samples_per_sec=hi / max(elapsed, 1e-9),
+                     time_cost=elapsed, examples=hi)  # fmt: skip
+        with torch.no_grad():
+            test = metrics(data["task"], model(data["X_test"]), data["y_test"], loss, "test")
+        logger.eval(epoch=k, step=step, **test)
+        epochs += 1
+    with torch.no_grad():
+        test = metrics(data["task"], model(data["X_test"]), data["y_test"], loss, "test")
+    return {"steps": step, "epochs": epochs, "total_time": time.perf_counter() - start,
+            "train_objective": loss_value, "messages": messenger.messages, **test}  # fmt: skip
+
+
+def train_sgd(
+    args: argparse.Namespace,
+    env: DistEnv,
+    logger: RunLogger,
+    data: dict[str, Any],
+    loss: str,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    """Feature-partitioned SGD or CA-SGD; the ``end`` record's metrics."""
+    X, y = add_intercept_column(data["X_train"]), data["y_train"]
+    X_test = add_intercept_column(data["X_test"])
+    lo, hi = column_blocks(X.shape[1], env.world_size)[env.rank]
+    C = data["num_classes"] if loss == "multinomial" else 1
+    messenger = Messenger(latency=args.latency_ms / 1000)
+    sgd = FeaturePartitionedSGD(column_slice(X, lo, hi), y, LOSSES[loss].derivative,
+                                loss_value=LOSSES[loss].value, num_outputs=C, lr=args.lr, l2=args.wd, precision=args.precision,
+                                messenger=messenger)  # fmt: skip
+    X_test_p = column_slice(X_test, lo, hi)
+    s = args.s if args.solver == "casgd" else 1
+    budget = args.max_steps if args.max_steps is not None else math.inf
+    start, epochs = time.perf_counter(), 0
+    for epoch in range(args.num_epochs):
+        if sgd.steps >= budget:
+            break
+        t0 = time.perf_counter()
+        batches = epoch_batches(X.shape[0], args.batch_size, seed=args.seed, epoch=epoch)
+        if budget < math.inf:
+            batches = batches[: int(budget - sgd.steps)]
+        for r, first in enumerate(range(0, len(batches), s)):
+            group = batches[first : first + s]
+            if args.solver == "casgd":
+                sgd.unrolled_step(group)
+            else:
+                sgd.step(group[0])
+            if (r + 1) % args.log_interval == 0:
+                rows = sum(int(b.numel()) for b in group) * (r + 1) / len(group)
+                logger.step(epoch=epoch, batch=r, step=sgd.steps, loss=sgd.last_loss, lr=args.lr,
+                            samples_per_sec=rows / max(time.perf_counter() - t0, 1e-9),
+                            messages=messenger.messages)  # fmt: skip
+        elapsed = time.perf_counter() - t0
+        train_obj = sgd.objective(LOSSES[loss].value)  # evaluation: not counted in messages
+        logger.epoch(epoch=epoch, step=sgd.steps, loss=train_obj, time_cost=elapsed,
+                     samples_per_sec=X.shape[0] / max(elapsed, 1e-9), messages=messenger.messages)  # fmt: skip
+        m = sgd.margins(X_test_p)
+        logger.eval(epoch=epoch, step=sgd.steps,
+                    **metrics(data["task"], m[:, 0] if C == 1 else m, data["y_test"], loss, "test"))  # fmt: skip
+        epochs += 1
+    m = sgd.margins(X_test_p)
+    test = metrics(data["task"], m[:, 0] if C == 1 else m, data["y_test"], loss, "test")
+    return {"steps": sgd.steps, "epochs": epochs, "total_time": time.perf_counter() - start,
+            "train_objective": sgd.objective(LOSSES[loss].value),
+            "messages": messenger.messages, **test}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = DistEnv.from_env()
+    command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    logger = RunLogger(args.run_log, enabled=env.is_main)
+    logger.write(make_header(command, args.seed, env.world_size, args))
+    dtype = torch.float64 if args.precision == "fp64" else torch.float32
+    data = load_data(args, dtype)
+    loss = args.loss or DEFAULT_LOSS[data["task"]]
+    if (loss == "multinomial") != (data["task"] == "multiclass") or (
+        (loss == "squared") != (data["task"] == "regression")
+    ):
+        raise SystemExit(f"--loss {loss} does not fit the {data['task']} labels of {args.dataset}")
+    n, d = data["X_train"].shape
+    logger.info(f"{args.dataset}: {n} training / {data['X_test'].shape[0]} test examples, "
+                f"{d} features, {data['task']}; {loss} loss, {args.solver} on "
+                f"{env.world_size} process(es)")  # fmt: skip
+    train = train_lbfgs if args.solver == "lbfgs" else train_sgd
+    result = train(args, env, logger, data, loss, dtype)
+    logger.end(**result)
+    main_metric = "test_mse" if data["task"] == "regression" else "test_accuracy"
+    logger.info(f"held-out {main_metric.split('_')[1]}: {result[main_metric]:.4f} "
+                f"(test loss {result['test_loss']:.4f}, {result['steps']} steps, "
+                f"{result['messages']} messages, {result['total_time']:.2f} s)")  # fmt: skip
+    logger.close()
+    env.destroy()
+    return 0 if all(math.isfinite(v) for v in result.values() if isinstance(v, float)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""scripts/train_linear.py end to end: the default run, the solvers, two processes, errors.
+
+Oracles: scikit-learn's LogisticRegression(lbfgs) on the same split and λ (C = 1 / (n λ));
+the one-process run of the same flags (for the two-process, feature-partitioned run).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "train_linear.py"
+
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("train_linear_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def one_process(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def _run(script, tmp_path: Path, name: str, *args: str) -> list[dict]:
+    log = tmp_path / f"{name}.jsonl"
+    assert script.main([*args, "--run-log", str(log)]) == 0
+    return _records(log)
+
+
+def test_default_run_matches_sklearn_logistic_regression(script, tmp_path, capsys):
+    from sklearn.linear_model import LogisticRegression
+
+    from modelzoo.linear import load_bundled
+
+    records = _run(script, tmp_path, "default")
+    header, end = records[0], records[-1]
+    assert header["kind"] == "header" and "fingerprint" in header
+    assert header["config"]["solver"] == "lbfgs" and header["config"]["dataset"] == "breast_cancer"
+    kinds = [r["kind"] for r in records]
+    assert {"step", "epoch", "eval"} <= set(kinds) and kinds[-1] == "end"
+    assert all("step" in r for r in records if r["kind"] == "epoch")  # reproduce.py's contract
+    assert "held-out accuracy" in capsys.readouterr().out
+    data = load_bundled("breast_cancer")
+    n, wd = len(data.y_train), header["config"]["wd"]
+    reference = LogisticRegression(C=1.0 / (n * wd), solver="lbfgs", max_iter=10_000, tol=1e-10)
+    reference.fit(data.X_train.double().numpy(), data.y_train.numpy())
+    sk_accuracy = reference.score(data.X_test.double().numpy(), data.y_test.numpy())
+    assert end["test_accuracy"] == pytest.approx(sk_accuracy, abs=1.0 / len(data.y_test) + 1e-9)
+    assert end["test_accuracy"] > 0.93
+
+
+def test_max_steps_cuts_the_run(script, tmp_path):
+    records = _run(script, tmp_path, "short", "--max-steps", "3")
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    assert steps == [1, 2, 3] and records[-1]["steps"] == 3
+
+
+@pytest.mark.parametrize(
+    "args,metric,minimum",
+    [
+        (["--dataset", "digits"], "test_accuracy", 0.95),
+        (["--dataset", "wine", "--solver", "casgd", "--s", "4", "--precision", "bf16"],
+         "test_accuracy", 0.95),
+        (["--dataset", "breast_cancer", "--solver", "sgd", "--num-epochs", "5"],
+         "test_accuracy", 0.93),
+        (["--dataset", "breast_cancer", "--sa-batches", "3", "--iterations", "15"],
+         "test_accuracy", 0.93),
+    ],
+)  # fmt: skip
+def test_solvers_learn(script, tmp_path, args, metric, minimum):
+    end = _run(script, tmp_path, "run", *args)[-1]
+    assert end[metric] >= minimum
+    if "--s" in args:  # 134 rows / 32 = 5 mini-batches an epoch, rounds of 4: 2 messages each
+        assert end["messages"] == 20 * 2 and end["steps"] == 20 * 5
+
+
+def test_casgd_on_an_svmlight_file(script, tmp_path):
+    from modelzoo.linear import load_bundled
+
+    data = load_bundled("breast_cancer")
+    lines = []
+    for x, y in zip(data.X_train.tolist(), data.y_train.tolist(), strict=True):
+        feats = " ".join(f"{j + 1}:{v:.6g}" for j, v in enumerate(x) if v != 0)
+        lines.append(f"{'+1' if y else '-1'} {feats}")
+    path = tmp_path / "bc.svm"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    end = _run(script, tmp_path, "svm", "--dataset", "svmlight", "--data-file", str(path),
+               "--solver", "casgd", "--s", "2", "--num-epochs", "5")[-1]  # fmt: skip
+    assert end["test_accuracy"] > 0.9
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--dataset", "svmlight"], "--dataset svmlight needs --data-file PATH"),
+        (["--solver", "adam"], "--solver 'adam': choose one of lbfgs, sgd, casgd"),
+        (["--s", "0", "--solver", "casgd"], "--s-steps must be at least 1"),
+        (["--dataset", "iris"], "--dataset 'iris'"),
+        (["--precision", "fp8"], "invalid choice: 'fp8'"),
+        (["--solver", "casgd", "--sa-batches", "2"], "--sa-batches is an L-BFGS option"),
+    ],
+)
+def test_bad_flags_error_clearly(script, capsys, args, message):
+    with pytest.raises(SystemExit) as err:
+        script.main(args)
+    assert err.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_data_errors_name_the_file_and_line(script, tmp_path):
+    path = tmp_path / "bad.svm"
+    path.write_text("1 1:0.5\n0 2:x\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match=rf"{path}:2: the value 'x' of feature 2"):
+        script.main(["--dataset", "svmlight", "--data-file", str(path)])
+    with pytest.raises(SystemExit, match="no such svmlight file"):
+        script.main(["--dataset", "svmlight", "--data-file", str(tmp_path / "none.svm")])
+    with pytest.raises(SystemExit, match="--loss multinomial does not fit the binary labels"):
+        script.main(["--loss", "multinomial"])
+
+
+@pytest.mark.dist
+def test_two_process_feature_partitioned_run_equals_one_process(script, tmp_path):
+    flags = ["--dataset", "wine", "--solver", "casgd", "--s-steps", "4", "--num-epochs", "5"]
+    single = _run(script, tmp_path, "single", *flags)
+    log = tmp_path / "two.jsonl"
+    from tests.trainers._launch import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT),
+               *flags, "--run-log", str(log)]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    two = _records(log)
+    assert two[0]["world_size"] == 2
+    for key in ("train_objective", "test_loss", "test_accuracy", "steps", "messages"):
+        assert two[-1][key] == pytest.approx(single[-1][key], rel=1e-5), key
+    evals = [r["test_loss"] for r in two if r["kind"] == "eval"]
+    assert evals == pytest.approx([r["test_loss"] for r in single if r["kind"] == "eval"], rel=1e-5)
+
+
+def test_flags_are_dashed_and_never_abbreviated(script):
+    from trainers import cli
+
+    captured = []
+    original = cli.ArgumentParser.parse_known_args
+
+    def capture(self, args=None, namespace=None):
+        captured.append(self)
+        raise SystemExit(0)
+
+    cli.ArgumentParser.parse_known_args = capture
+    try:
+        with pytest.raises(SystemExit):
+            script.parse_args([])
+    finally:
+        cli.ArgumentParser.parse_known_args = original
+    parser = captured[0]
+    flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    assert "--run-log" in flags and "--max-steps" in flags and "--seed" in flags
+    assert [f for f in flags if "_" in f] == [] and parser.allow_abbrev is False

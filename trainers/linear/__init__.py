@@ -1,0 +1,23 @@
+"""Solvers for linear models at scale (they take tensors and loss callables; no modelzoo).
+
+* :mod:`.lbfgs`: data-parallel L-BFGS (one all-reduce of ``[loss, gradient]`` per
+  evaluation) and the statistically adjusted variant for data arriving in batches;
+* :mod:`.casgd`: feature-partitioned SGD and communication-avoiding s-step SGD (CA-SGD), in
+  fp64/fp32 and mixed precision;
+* :mod:`.messages`: the counted all-reduce both use.
+"""
+
+from .casgd import PRECISIONS, FeaturePartitionedSGD, column_blocks, epoch_batches
+from .lbfgs import DataParallelLBFGS, LBFGSConfig, StatisticallyAdjustedLBFGS
+from .messages import Messenger
+
+__all__ = [
+    "PRECISIONS",
+    "DataParallelLBFGS",
+    "FeaturePartitionedSGD",
+    "LBFGSConfig",
+    "Messenger",
+    "StatisticallyAdjustedLBFGS",
+    "column_blocks",
+    "epoch_batches",
+]
