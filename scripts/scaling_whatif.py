@@ -203,6 +203,11 @@ def method_table(w: Workload, workers: Sequence[int], gbps: float, latency: floa
 # ---- reading a log ------------------------------------------------------------------------------
 # The head each training script puts on a BERT (its gradient is what a step all-reduces).
 SCRIPT_HEADS = {"pretrain_bert.py": "pretraining", "finetune_squad.py": "qa"}
+# Scripts whose steps are not data-parallel SGD steps of one gradient all-reduce.
+NOT_SGD_SCRIPTS = {
+    "train_linear.py": "L-BFGS iterations or feature-partitioned CA-SGD rounds, whose messages "
+    "its log counts (docs/linear.md)"
+}
 # scripts/train_gnn.py's GRAPH_DATASETS: graph classification, mini-batches of --batch-size graphs.
 GNN_GRAPH_DATASETS = frozenset({"sbm_graphs"})
 
@@ -326,6 +331,11 @@ def workload_from_log(path: str | Path) -> Workload:
     header = records[0]
     config = header.get("config") or {}
     script = Path(str((header.get("command") or [""])[0])).name
+    if script in NOT_SGD_SCRIPTS:
+        raise SystemExit(
+            f"scaling_whatif.py: {path} is a {script} run ({NOT_SGD_SCRIPTS[script]}); this "
+            "model is for data-parallel SGD steps, give --compute-time and --grad-bytes instead"
+        )
     world = int(header.get("world_size", 1))
     steps = [r for r in records if r.get("kind") == "step" and r.get("samples_per_sec")]
     if not steps:

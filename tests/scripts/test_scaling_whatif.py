@@ -23,7 +23,9 @@ import pytest
 from trainers.claims import published_logs
 
 ROOT = Path(__file__).resolve().parents[2]
-LOGS = published_logs(ROOT / "logs")
+# train_linear.py's logs are L-BFGS iterations / CA-SGD rounds, not SGD steps: refused (below)
+LOGS = [p for p in published_logs(ROOT / "logs") if not p.parent.name.startswith("linear_")]
+LINEAR_LOGS = [p for p in published_logs(ROOT / "logs") if p.parent.name.startswith("linear_")]
 
 
 def _load():
@@ -341,3 +343,10 @@ def test_decentralized_cost_models_by_hand():
     assert whatif.message_time(1e8, 10, 1e-5) == pytest.approx(0.08001)
     with pytest.raises(ValueError, match="unknown method"):
         whatif.method_step_time("gossip", tc, tm)
+
+
+def test_linear_logs_are_refused_with_what_to_do():
+    assert LINEAR_LOGS
+    for path in LINEAR_LOGS[:1]:
+        with pytest.raises(SystemExit, match="train_linear.py run .* give --compute-time"):
+            whatif.workload_from_log(path)
