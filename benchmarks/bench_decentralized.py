@@ -110,8 +110,6 @@ def _patch_collectives() -> None:
 
 
 def _delayed_ddp_hook(world: int):
-    import torch.distributed as dist
-
     orig = _patch_collectives.orig  # type: ignore[attr-defined]
 
     def hook(state, bucket):  # noqa: ANN001
@@ -126,7 +124,6 @@ def _delayed_ddp_hook(world: int):
 
         return fut.then(done)
 
-    del dist
     return hook
 
 

@@ -60,11 +60,12 @@ def unflatten_(tensors: Sequence[Tensor], flat: Tensor) -> None:
         raise ValueError(f"flat vector has {flat.numel()} elements, the tensors {offset}")
 
 
-def flat_grads(params: Sequence[Tensor]) -> Tensor:
-    """The gradients of ``params`` as one fp32 vector (zeros where a gradient is ``None``)."""
+def flat_grads(params: Sequence[Tensor], dtype: torch.dtype = torch.float32) -> Tensor:
+    """The gradients of ``params`` as one vector in ``dtype`` (zeros where a gradient is
+    ``None``)."""
     return torch.cat(
         [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
             for p in params
         ]
     )

@@ -144,10 +144,8 @@ class PipeSGDCombiner(GradCombiner):
             scaler, self.name, "applies each gradient one step later, under another scale"
         )
         params = self._params()
-        grad = flat_grads(params)  # fp32; a model all in float64 keeps float64
-        if all(p.dtype == torch.float64 for p in params):
-            grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                              for p in params])  # fmt: skip
+        wide = all(p.dtype == torch.float64 for p in params)  # else the fp32 wire format
+        grad = flat_grads(params, torch.float64 if wide else torch.float32)
         previous, self.in_flight = self.in_flight, self._start(grad)
         if previous is not None:
             mean = self._finish(previous)

@@ -202,8 +202,6 @@ class SGPCombiner(GradCombiner):
     def state_dict(self) -> dict[str, Any]:
         assert self.model is not None and self.optimizer is not None
         pending = [(m.step, m.wait().clone()) for m in self.in_flight]
-        for m in self.in_flight:
-            m.requests = []
         return {
             "steps": self.steps,
             "weight": self.weight,
