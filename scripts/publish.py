@@ -10,6 +10,8 @@ Usage::
     python scripts/publish.py run digits_2proc --nproc-per-node 2 ... -- scripts/train_imagenet.py ...
     # the same seeds on this machine's own kernels (no pins), kept out of logs/ and claims
     python scripts/publish.py run digits_resnest14 --seeds 0-4 --native --out-dir runs/native ...
+    # an elastic recipe: 3 nodes, one killed at step 30, one added at step 70 (trainers.elastic_drill)
+    python scripts/publish.py run elastic_digits --elastic-drill 3:30:70 --threads 1 ... -- scripts/train_imagenet.py ...
     # list a recipe whose logs exist already (e.g. one written before fingerprints: "legacy")
     python scripts/publish.py add squad_minilm_3ep --logs logs/squad_minilm_3ep.jsonl \
         --metric f1 --source end --minimum 43 --min-seeds 3 --description "..."
@@ -84,8 +86,26 @@ def run_env(threads: int, *, native: bool, base: dict[str, str] | None = None) -
     return env
 
 
+def parse_drill(text: str) -> tuple[int, int, int]:
+    """``"3:30:70"`` -> 3 nodes, kill one at step 30, one joins at step 70."""
+    try:
+        nodes, kill, join = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise SystemExit(
+            f"--elastic-drill: expected NODES:KILL_STEP:JOIN_STEP, got {text!r}"
+        ) from None
+    return nodes, kill, join
+
+
 def seed_command(
-    command: Sequence[str], seed: int, run_log: Path, *, nproc: int, python: str = sys.executable
+    command: Sequence[str],
+    seed: int,
+    run_log: Path,
+    *,
+    nproc: int,
+    python: str = sys.executable,
+    drill: tuple[int, int, int] | None = None,
+    threads: int = 1,
 ) -> list[str]:
     """``command`` (script relative to the repository, then its flags) for one seed."""
     if not command or not command[0].endswith(".py"):
@@ -96,6 +116,13 @@ def seed_command(
         if any(a == flag or a.startswith(flag + "=") for a in command):
             raise SystemExit(f"leave {flag} out of the command: publish.py sets it per seed")
     args = [*command[1:], "--seed", str(seed), "--run-log", str(run_log)]
+    if drill is not None:
+        nodes, kill, join = drill
+        launcher = [
+            "-m", "trainers.elastic_drill", "--nodes", str(nodes), "--kill-at-step", str(kill),
+            "--join-at-step", str(join), "--threads", str(threads), "--",
+        ]  # fmt: skip
+        return [python, *launcher, command[0], *args]
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     return [python, *(launcher if nproc > 1 else []), command[0], *args]
 
@@ -115,7 +142,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         previous = final.with_name(f".{final.name}.previous")
         if final.exists():
             os.replace(final, previous)
-        command = seed_command(args.command, seed, Path(shown), nproc=args.nproc_per_node)
+        command = seed_command(
+            args.command,
+            seed,
+            Path(shown),
+            nproc=args.nproc_per_node,
+            threads=args.threads,
+            drill=parse_drill(args.elastic_drill) if args.elastic_drill else None,
+        )
         print(f"[{args.recipe} seed {seed}] {' '.join(command)}", flush=True)
         start = time.perf_counter()
         try:
@@ -270,6 +304,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--min-seeds", type=int, default=5, help="seeds the recipe must publish")
     r.add_argument("--nproc-per-node", type=int, default=1, help="processes (torchrun) per run")
     r.add_argument("--threads", type=int, default=2, help="torch CPU threads per process")
+    r.add_argument("--elastic-drill", default=None, metavar="NODES:KILL:JOIN",
+                   help="run each seed under trainers.elastic_drill: NODES agents, one killed at "
+                   "step KILL, one added at step JOIN")  # fmt: skip
     r.add_argument("--native", action="store_true", help="no ISA pins (a check, not a publication)")
     r.add_argument("--out-dir", default=None, help="default logs/<recipe>")
     r.add_argument("--no-claims", action="store_true", help="do not update the claims file")
