@@ -68,7 +68,7 @@ from trainers.cli import (
     build_optimizer,
     run_configs,
 )
-from trainers.logs import format_metrics
+from trainers.logs import gluonnlp_step_line
 from trainers.schedules import create_schedule
 
 # What a newcomer gets with no data flags: MiniLM on the built-in stdlib set, CPU-sized.
@@ -368,24 +368,6 @@ class PredictionFiles:
         self.task.finish_eval(self.env, self.logger, self.output_dir)
 
 
-class SquadLogger(RunLogger):
-    """The run log plus GluonNLP's console line for training steps."""
-
-    batches_per_epoch: int = 0
-
-    def step(self, *, epoch, batch, step, loss, lr, samples_per_sec, **metrics) -> None:  # type: ignore[override]
-        record = dict(epoch=epoch, batch=batch, step=step, loss=loss, lr=lr)
-        self.write({"kind": "step", **record, "samples_per_sec": samples_per_sec, **metrics})
-        self.info(
-            f"Epoch: {epoch}, Batch: {batch + 1}/{self.batches_per_epoch}, Loss={loss:.4f}, "
-            f"lr={lr:.7f} Thoughput={samples_per_sec:.2f} samples/s"
-        )
-
-    def eval(self, *, epoch: int, step: int, **metrics: Any) -> None:
-        self.write({"kind": "eval", "epoch": epoch, "step": step, **metrics})
-        self.info(f"[Epoch {epoch}] validation (step {step}): {format_metrics(metrics)}")
-
-
 # ---------------------------------------------------------------------------------------------
 # Model and data set-up
 # ---------------------------------------------------------------------------------------------
@@ -466,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     env = DistEnv.from_env()
     command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     output_dir = Path(args.output_dir)
-    logger = SquadLogger(args.run_log, enabled=env.is_main, logging_file=args.logging_file)
+    logger = RunLogger(args.run_log, enabled=env.is_main, logging_file=args.logging_file)
     logger.info(f"Namespace({', '.join(f'{k}={v!r}' for k, v in sorted(vars(args).items()))})")
     logger.write(make_header(command, args.seed, env.world_size, args, configs=run_configs(args)))
 
@@ -512,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         total_steps=total_steps,
         warmup_steps=int(total_steps * args.warmup_ratio),
     )
-    logger.batches_per_epoch = steps_per_epoch
+    logger.step_line = gluonnlp_step_line(steps_per_epoch)
     config = TrainerConfig(
         epochs=args.epochs,
         max_steps=args.max_steps,

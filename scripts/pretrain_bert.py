@@ -58,7 +58,7 @@ from modelzoo.nlp.pretraining import (
 )
 from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
 from modelzoo.store import cache_root
-from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
+from trainers import DistEnv, Trainer, TrainerConfig, make_header
 from trainers.cli import (
     DTYPES,
     ArgumentParser,
@@ -73,6 +73,7 @@ from trainers.cli import (
     run_configs,
 )
 from trainers.config import ElasticConfig
+from trainers.logs import PhasedRunLogger, ratio_metrics
 from trainers.optim import create_optimizer
 from trainers.schedules import create_schedule
 
@@ -335,17 +336,6 @@ RATIOS = {
 }
 
 
-def ratios(metrics: dict[str, Any]) -> dict[str, Any]:
-    """The trainer reports every sum divided by the same number of micro-batches, so the
-    ratio of two of them is the exact ratio of the totals."""
-    raw = {k for pair in RATIOS.values() for k in pair}
-    out = {k: v for k, v in metrics.items() if k not in raw}
-    for name, (num, den) in RATIOS.items():
-        if num in metrics and den in metrics:
-            out[name] = metrics[num] / metrics[den] if metrics[den] else math.nan
-    return out
-
-
 def pretraining_sums(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     out = model(
         batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
@@ -377,40 +367,6 @@ def train_step(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Ten
 @torch.no_grad()
 def eval_step(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     return pretraining_sums(model, batch)
-
-
-class PretrainLogger(RunLogger):
-    """The run log with the phase in every record, steps counted across phases, and the
-    masked-LM / next-sentence loss and accuracy as ratios."""
-
-    phase: int = 1
-    offset: int = 0  # optimizer steps of the phases before this one
-    trainer: Trainer | None = None
-    phase_results: dict[int, dict[str, Any]]
-
-    def step(self, *, step: int, **fields: Any) -> None:  # type: ignore[override]
-        metrics = ratios(fields)
-        super().step(step=step + self.offset, phase=self.phase, **metrics)
-
-    def epoch(self, **fields: Any) -> None:  # type: ignore[override]
-        step = self.offset + (self.trainer.global_step if self.trainer is not None else 0)
-        super().epoch(**ratios(fields), phase=self.phase, step=step)
-
-    def eval(self, *, epoch: int, step: int, **metrics: Any) -> None:  # type: ignore[override]
-        super().eval(epoch=epoch, step=step + self.offset, phase=self.phase, **ratios(metrics))
-
-    def checkpoint(self, *, epoch: int, step: int, path: Any) -> None:  # type: ignore[override]
-        super().checkpoint(epoch=epoch, step=step + self.offset, path=path)
-
-    def end(self, *, total_time: float, steps: int, epochs: int, **metrics: Any) -> None:  # type: ignore[override]
-        """A phase's end (the trainer's): printed; the run's ``end`` record is :meth:`finish`."""
-        if not hasattr(self, "phase_results"):
-            self.phase_results = {}
-        self.phase_results[self.phase] = {"time": total_time, "steps": steps, **ratios(metrics)}
-        self.info(f"[Phase {self.phase}] {steps} steps in {total_time:.2f} sec.")
-
-    def finish(self, *, total_time: float, steps: int, **metrics: Any) -> None:
-        super().end(total_time=total_time, steps=steps, epochs=0, **ratios(metrics))
 
 
 class EvalTracker:
@@ -499,9 +455,11 @@ def run_phase(
     model: torch.nn.Module,
     data: tuple[PretrainingShards, PretrainingShards | None],
     env: DistEnv,
-    logger: PretrainLogger,
+    logger: PhasedRunLogger,
     resuming: bool,
+    done: int,
 ) -> Trainer:
+    """One phase's ``fit``; ``done``: the optimizer steps of the phases before it."""
     train, dev = data
     steps = getattr(args, f"phase{phase}_steps")
     batch = getattr(args, f"phase{phase}_batch_size")
@@ -539,7 +497,7 @@ def run_phase(
         train_step=train_step, eval_step=eval_step if dev is not None else None,
         combiner=build_combiner(args, env), hooks=[tracker],
     )  # fmt: skip
-    logger.trainer = trainer
+    logger.start_phase(phase, done, trainer)
     build_elastic(_phase_elastic(args, phase), trainer)
     latest = save_dir / "latest.pt"
     if resuming and args.elastic_dir is None and latest.is_file():
@@ -565,9 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     first = _phase_elastic(args, args.phase_list[0])
     resuming = bool(args.resume) or elastic_resuming(first, args.run_log, is_main=env.is_main)
     appending = resuming and args.run_log is not None and Path(args.run_log).is_file()
-    logger = PretrainLogger(
+    logger = PhasedRunLogger(
         args.run_log, enabled=env.is_main, logging_file=args.logging_file,
-        mode="a" if appending else "w",
+        mode="a" if appending else "w", ratios=RATIOS,
     )  # fmt: skip
     logger.info(f"Namespace({', '.join(f'{k}={v!r}' for k, v in sorted(vars(args).items()))})")
     if not appending:
@@ -598,8 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         if limit <= 0:
             break
         model = phase_model(args, phase, tokenizer, previous)
-        logger.phase, logger.offset = phase, done
-        trainer = run_phase(args, phase, limit, model, data[phase], env, logger, resuming)
+        trainer = run_phase(args, phase, limit, model, data[phase], env, logger, resuming, done)
         final = dict(trainer.last_eval)
         if trainer.global_step >= steps:
             if env.is_main:
@@ -612,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
             break  # --max-steps ended the run inside this phase
     logger.finish(total_time=time.perf_counter() - start, steps=done, **final)
     if env.is_main and final:
-        shown = ratios(final)
+        shown = ratio_metrics(final, RATIOS)
         logger.info(
             f"Held-out masked-LM accuracy {shown.get('mlm_accuracy', math.nan):.4f}, "
             f"next-sentence accuracy {shown.get('nsp_accuracy', math.nan):.4f} "

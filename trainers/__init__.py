@@ -17,7 +17,7 @@ from .comm import (
 )
 from .data import SeededDataset, ShardedSampler, derive_seed
 from .dist import DistEnv
-from .logs import RunLogger, format_metrics, make_header, progress_bar
+from .logs import PhasedRunLogger, RunLogger, format_metrics, make_header, progress_bar
 from .trainer import Trainer, TrainerConfig
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "CheckpointError",
     "DistEnv",
     "GradCombiner",
+    "PhasedRunLogger",
     "RunLogger",
     "SeededDataset",
     "ShardedSampler",

@@ -29,7 +29,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -48,8 +48,10 @@ from .fingerprint import (
 __all__ = [
     "ISA_PIN_VARIABLES",
     "PORTABLE_CPU_PINS",
+    "PhasedRunLogger",
     "RunLogError",
     "RunLogger",
+    "gluonnlp_step_line",
     "cpu_info",
     "format_metrics",
     "machine_fingerprint",
@@ -57,6 +59,7 @@ __all__ = [
     "read_run_log",
     "make_header",
     "progress_bar",
+    "ratio_metrics",
 ]
 
 _T = TypeVar("_T")
@@ -196,6 +199,8 @@ class RunLogger:
         console: print the GluonCV-style lines to stdout.
         logging_file: also append the console lines to this file (``--logging-file``).
         mode: ``"w"`` starts a new log, ``"a"`` appends (e.g. after a restart).
+        step_line: the console line of a ``step`` record (default GluonCV's; e.g.
+            :func:`gluonnlp_step_line`); only the console changes, never the record.
     """
 
     def __init__(
@@ -206,10 +211,12 @@ class RunLogger:
         console: bool = True,
         logging_file: str | os.PathLike[str] | None = None,
         mode: str = "w",
+        step_line: Callable[[Mapping[str, Any]], str] | None = None,
     ) -> None:
         if mode not in ("w", "a"):
             raise ValueError(f"mode must be 'w' or 'a', got {mode!r}")
         self.enabled = enabled
+        self.step_line = step_line
         self.console = console and enabled
         self.path = Path(path) if path is not None else None
         self._file: IO[str] | None = None
@@ -274,18 +281,20 @@ class RunLogger:
         **metrics: Any,
     ) -> None:
         """A ``step`` record; ``batch`` is the 0-based index within the epoch."""
-        self.write(
-            {
-                "kind": "step",
-                "epoch": epoch,
-                "batch": batch,
-                "step": step,
-                "loss": loss,
-                "lr": lr,
-                "samples_per_sec": samples_per_sec,
-                **metrics,
-            }
-        )
+        record = {
+            "kind": "step",
+            "epoch": epoch,
+            "batch": batch,
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "samples_per_sec": samples_per_sec,
+            **metrics,
+        }
+        self.write(record)
+        if self.step_line is not None:
+            self.info(self.step_line(record))
+            return
         parts = [
             f"Epoch[{epoch}] Batch [{batch}]",
             f"Speed: {float(samples_per_sec):.2f} samples/sec",
@@ -344,6 +353,101 @@ class RunLogger:
             {"kind": "end", "total_time": total_time, "steps": steps, "epochs": epochs, **metrics}
         )
         self.info(f"Training time for {epochs} epochs: {total_time:.2f} sec.")
+
+
+def gluonnlp_step_line(batches_per_epoch: int) -> Callable[[Mapping[str, Any]], str]:
+    """GluonNLP's fine-tuning console line for a step record (``RunLogger(step_line=...)``)::
+
+    Epoch: 0, Batch: 5/42, Loss=4.8437, lr=0.0000500 Thoughput=9.87 samples/s
+    """
+
+    def line(r: Mapping[str, Any]) -> str:
+        return (
+            f"Epoch: {r['epoch']}, Batch: {r['batch'] + 1}/{batches_per_epoch}, "
+            f"Loss={r['loss']:.4f}, lr={r['lr']:.7f} Thoughput={r['samples_per_sec']:.2f} samples/s"
+        )
+
+    return line
+
+
+def ratio_metrics(
+    metrics: Mapping[str, Any], ratios: Mapping[str, tuple[str, str]]
+) -> dict[str, Any]:
+    """Replace sums by their ratios: ``ratios = {"accuracy": ("correct", "count")}`` turns
+    ``{"correct": 30, "count": 40}`` into ``{"accuracy": 0.75}`` (NaN for a zero count).
+
+    The trainer divides every reported sum by the same number of micro-batches (and ranks),
+    so the ratio of two reported means is the exact ratio of the totals. Other fields pass
+    through; a ratio whose two sums are not both present is left out.
+    """
+    raw = {k for pair in ratios.values() for k in pair}
+    out = {k: v for k, v in metrics.items() if k not in raw}
+    for name, (num, den) in ratios.items():
+        if num in metrics and den in metrics:
+            out[name] = metrics[num] / metrics[den] if metrics[den] else math.nan
+    return out
+
+
+class PhasedRunLogger(RunLogger):
+    """One run log over several training phases (BERT pretraining's sequence lengths, a
+    curriculum, ...), each phase a separate :meth:`Trainer.fit <trainers.Trainer.fit>`.
+
+    * every ``step`` / ``epoch`` / ``eval`` / ``checkpoint`` record carries its ``phase``;
+    * steps count across phases (a phase's trainer counts from 0; ``step_offset`` adds the
+      optimizer steps of the phases before it);
+    * sums reported by the task become ratios (:func:`ratio_metrics`, ``ratios=``);
+    * a phase's end (the trainer's :meth:`end`) is printed and kept in ``phase_results``;
+      the run's one ``end`` record is :meth:`finish`.
+
+    Call :meth:`start_phase` before each phase's ``fit``.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        ratios: Mapping[str, tuple[str, str]] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(path, **kwargs)
+        self.ratios = dict(ratios or {})
+        self.phase = 1
+        self.step_offset = 0
+        self.trainer: Any = None
+        self.phase_results: dict[int, dict[str, Any]] = {}
+
+    def start_phase(self, phase: int, step_offset: int, trainer: Any = None) -> None:
+        """Records from now on belong to ``phase``; its step 0 is run step ``step_offset``;
+        ``trainer`` (the phase's) supplies the step of ``epoch`` records."""
+        self.phase, self.step_offset, self.trainer = phase, step_offset, trainer
+
+    def step(self, *, step: int, **fields: Any) -> None:  # type: ignore[override]
+        metrics = ratio_metrics(fields, self.ratios)
+        super().step(step=step + self.step_offset, phase=self.phase, **metrics)
+
+    def epoch(self, **fields: Any) -> None:  # type: ignore[override]
+        step = self.step_offset + (self.trainer.global_step if self.trainer is not None else 0)
+        super().epoch(**ratio_metrics(fields, self.ratios), phase=self.phase, step=step)
+
+    def eval(self, *, epoch: int, step: int, **metrics: Any) -> None:
+        metrics = ratio_metrics(metrics, self.ratios)
+        super().eval(epoch=epoch, step=step + self.step_offset, phase=self.phase, **metrics)
+
+    def checkpoint(self, *, epoch: int, step: int, path: str | os.PathLike[str]) -> None:
+        super().checkpoint(epoch=epoch, step=step + self.step_offset, path=path)
+
+    def end(self, *, total_time: float, steps: int, epochs: int, **metrics: Any) -> None:
+        """A phase's end: printed and kept; the run's ``end`` record is :meth:`finish`."""
+        self.phase_results[self.phase] = {
+            "time": total_time, "steps": steps, **ratio_metrics(metrics, self.ratios)
+        }  # fmt: skip
+        self.info(f"[Phase {self.phase}] {steps} steps in {total_time:.2f} sec.")
+
+    def finish(self, *, total_time: float, steps: int, **metrics: Any) -> None:
+        """The run's ``end`` record (steps over all phases, the final metrics as ratios)."""
+        super().end(
+            total_time=total_time, steps=steps, epochs=0, **ratio_metrics(metrics, self.ratios)
+        )
 
 
 # -- reading ----------------------------------------------------------------------------------

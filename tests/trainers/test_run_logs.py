@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import re
 import sys
 
@@ -13,7 +14,7 @@ import torch
 
 from tests.trainers._trainer_toys import ToyDataset, eval_step, make_mlp, train_step
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header, progress_bar
-from trainers.logs import _REPO_ROOT
+from trainers.logs import _REPO_ROOT, PhasedRunLogger, gluonnlp_step_line, ratio_metrics
 
 FLOAT = r"-?\d+\.\d{6}"
 
@@ -226,3 +227,64 @@ def test_git_state_counts_code_not_published_logs(tmp_path):
     (tmp_path / "code.py").write_text("x = 2\n")
     state = _git_state(tmp_path)
     assert state["dirty"] is True and set(state["dirty_paths"]) == {"code.py", "logs/claims.json"}
+
+
+def test_ratio_metrics_are_ratios_of_the_totals():
+    # two micro-batches: 3/4 and 1/6 correct; the trainer reports the means of the sums
+    means = {"correct": (3 + 1) / 2, "count": (4 + 6) / 2, "loss": 0.5}
+    out = ratio_metrics(means, {"accuracy": ("correct", "count"), "other": ("a", "b")})
+    assert out == {"loss": 0.5, "accuracy": pytest.approx(4 / 10)}
+    assert math.isnan(ratio_metrics({"c": 1.0, "n": 0.0}, {"acc": ("c", "n")})["acc"])
+
+
+def test_phased_logger_counts_steps_across_phases(tmp_path, capsys):
+    """Two fits of 4 steps each (the second a new trainer counting from 0) in one log."""
+    logger = PhasedRunLogger(tmp_path / "run.jsonl", ratios={"accuracy": ("hits", "n")})
+    logger.header(make_header(["x.py"], seed=0, world_size=1, config={}))
+
+    def counted_step(model, batch):
+        x, y = batch
+        logits = model(x)
+        hits = (logits.argmax(1) == y).sum().float()
+        return torch.nn.functional.cross_entropy(logits, y), {"hits": hits, "n": len(y)}
+
+    def counted_eval(model, batch):
+        return counted_step(model, batch)[1]
+
+    done = 0
+    for phase in (1, 2):
+        model = make_mlp()
+        trainer = Trainer(
+            model, torch.optim.SGD(model.parameters(), lr=0.1),
+            TrainerConfig(epochs=1, batch_size=4, log_interval=2, eval_interval=1),
+            env=DistEnv(), logger=logger, train_step=counted_step, eval_step=counted_eval,
+        )  # fmt: skip
+        logger.start_phase(phase, done, trainer)
+        trainer.fit(ToyDataset(16), eval_dataset=ToyDataset(6))
+        done += trainer.global_step
+    logger.finish(total_time=1.0, steps=done, **trainer.last_eval)
+    logger.close()
+    records = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    steps = [(r["phase"], r["step"]) for r in records if r["kind"] == "step"]
+    assert steps == [(1, 2), (1, 4), (2, 6), (2, 8)]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [(r["phase"], r["step"]) for r in evals] == [(1, 4), (2, 8)]
+    assert [r["step"] for r in records if r["kind"] == "epoch"] == [4, 8]
+    for r in evals + [r for r in records if r["kind"] == "step"]:
+        assert "hits" not in r and 0.0 <= r["accuracy"] <= 1.0
+    ends = [r for r in records if r["kind"] == "end"]
+    assert len(ends) == 1 and records[-1] is ends[0] and ends[0]["steps"] == 8
+    assert ends[0]["accuracy"] == evals[-1]["accuracy"]
+    assert set(logger.phase_results) == {1, 2}
+    assert "[Phase 2] 4 steps" in capsys.readouterr().out
+
+
+def test_gluonnlp_step_line(tmp_path, capsys):
+    logger = RunLogger(tmp_path / "r.jsonl", step_line=gluonnlp_step_line(42))
+    logger.step(epoch=0, batch=4, step=5, loss=4.84371, lr=5e-5, samples_per_sec=9.871)
+    out = capsys.readouterr().out.strip()
+    assert out == "Epoch: 0, Batch: 5/42, Loss=4.8437, lr=0.0000500 Thoughput=9.87 samples/s"
+    logger.close()
+    record = json.loads((tmp_path / "r.jsonl").read_text())
+    assert record == {"kind": "step", "epoch": 0, "batch": 4, "step": 5, "loss": 4.84371,
+                      "lr": 5e-5, "samples_per_sec": 9.871}  # fmt: skip
