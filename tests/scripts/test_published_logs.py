@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from trainers.claims import load_claims, metric_of, published_logs
+from trainers.elastic import committed_samples
 from trainers.logs import PORTABLE_CPU_PINS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,11 +122,13 @@ def test_published_recipes_have_their_seeds_and_pins(name):
 
 
 def _without_seed_and_log(command: list[str]) -> list[str]:
+    """The command less what differs per seed by design: the seed, the log, and an elastic
+    run's state directory (trainers.elastic_drill gives each run a fresh one)."""
     out, skip = [], False
     for arg in command:
         if skip:
             skip = False
-        elif arg in ("--seed", "--run-log"):
+        elif arg in ("--seed", "--run-log", "--elastic-dir"):
             skip = True
         else:
             out.append(arg)
@@ -159,6 +162,34 @@ def test_log_is_complete(path):
     assert records[0]["kind"] == "header" and records[-1]["kind"] == "end"
     assert records[0]["command"][0].startswith("scripts/")
     assert [r for r in records if r["kind"] == "eval"], "a published log needs its evaluation"
+
+
+ELASTIC_LOGS = [p for p in LOGS if p.with_suffix(".ledger").is_dir()]
+
+
+@pytest.mark.parametrize(
+    "path", ELASTIC_LOGS, ids=[p.relative_to(ROOT / "logs").as_posix() for p in ELASTIC_LOGS]
+)
+def test_elastic_ledger_commits_each_sample_at_most_once_per_epoch(path):
+    """A published elastic run that lost a node and gained one: in every epoch the committed
+    sample ids are distinct and cover the epoch but for its dropped incomplete batch."""
+    from sklearn.datasets import load_digits  # noqa: PLC0415 (only here)
+
+    records = _records(path)
+    assert [r["new_world_size"] for r in records if r["kind"] == "membership"], "no change"
+    samples = committed_samples(path.with_suffix(".ledger"))
+    epochs = records[0]["config"]["num_epochs"]
+    assert sorted(samples) == list(range(epochs))
+    # the digits split holds out round(20 %) of each class (modelzoo.vision.data)
+    train = sum(n - round(0.2 * n) for n in np.bincount(load_digits().target))
+    widest = records[0]["config"]["batch_size"] * max(
+        [records[0]["world_size"]]
+        + [r["new_world_size"] for r in records if r["kind"] == "membership"]
+    )
+    for epoch, ids in samples.items():
+        assert len(ids) == len(set(ids)), f"epoch {epoch}: a sample was committed twice"
+        assert set(ids) <= set(range(train))
+        assert len(ids) > train - 2 * widest, f"epoch {epoch}: {len(ids)} of {train} committed"
 
 
 # -- exact reproduction of a prefix -------------------------------------------------------------
