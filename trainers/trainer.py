@@ -517,6 +517,7 @@ class Trainer:
                         meter.update(self.eval_step(self.model, self._to_device(batch)))
         finally:
             self.model.train(was_training)
+            self.combiner.end_evaluation()
         keys = sorted({k for ks in env.all_gather_object(sorted(meter.sums)) for k in ks})
         metrics = meter.reduce(env, keys)[1]
         if remember:

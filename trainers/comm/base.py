@@ -18,7 +18,8 @@ it calls a :class:`GradCombiner` at fixed points of every optimizer step::
 communication thread stop it there (a later step may start it again).
 
 ``synchronize()`` is called before every evaluation: combiners whose replicas drift apart
-(CSER, the local-SGD family) make them equal there. ``metrics()`` reports ``bytes_sent`` (what
+(CSER, the local-SGD family) make them equal there; ``end_evaluation()`` after it (DEF goes
+back from the evaluated average to its local models). ``metrics()`` reports ``bytes_sent`` (what
 one worker sends per optimizer step), ``grad_bytes`` (the dense fp32 gradient) and
 ``compression_ratio`` when the world has more than one rank.
 
@@ -181,6 +182,10 @@ class GradCombiner:
 
     def synchronize(self) -> None:
         """Before evaluation (a collective): make diverged replicas equal (no-op here)."""
+
+    def end_evaluation(self) -> None:
+        """After evaluation (every rank): undo what :meth:`synchronize` set up only for the
+        evaluation (DEF evaluates an averaged model, then trains on from its local ones)."""
 
     def metrics(self) -> dict[str, float]:
         """Extra numbers for the step records (e.g. bytes sent per step)."""

@@ -429,6 +429,8 @@ def compressed_allreduce(
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     payload, ctx = compressor.compress(x, stats, shared=shared, local=local)
     own = compressor.decompress(payload, ctx)
+    if any(own.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in payload):
+        own = own.clone()  # the payload is reduced in place below; this worker's part is kept
     sent = compressor.payload_bytes(x.numel())
     n = env.world_size
     if not env.distributed:
@@ -437,10 +439,12 @@ def compressed_allreduce(
         for t in payload:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return compressor.decompress(payload, ctx).div_(n), own, sent
-    total = torch.zeros_like(own, dtype=torch.float32)
+    # the sum in fp32 (fp64 for fp64 inputs, so that float64 runs keep their precision)
+    acc = torch.float64 if own.dtype == torch.float64 else torch.float32
+    total = torch.zeros_like(own, dtype=acc)
     gathered = [[torch.empty_like(t) for _ in range(n)] for t in payload]
     for t, out in zip(payload, gathered, strict=True):
         dist.all_gather(out, t.contiguous())
     for r in range(n):
-        total += compressor.decompress([g[r] for g in gathered], ctx).float()
+        total += compressor.decompress([g[r] for g in gathered], ctx).to(acc)
     return total.div_(n).to(own.dtype), own, sent

@@ -1,0 +1,150 @@
+"""One rank of test_def.py's 2-process checks of ``--grad-combine def`` (torchrun's variables).
+
+Float64 toy runs through the Trainer, the state after every step, and next to them error
+feedback on updates written from its rule with plain ``dist.all_reduce`` and ``torch.topk``.
+Each rank saves its results in ``OUTDIR/rank{r}.pt``.
+
+Usage: python -m tests.trainers._def_worker OUTDIR
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.trainers._comm_worker import (
+    BATCH,
+    EPOCHS,
+    SEED,
+    N,
+    fit,
+    local_batches,
+    resumed_vs_straight,
+)
+from tests.trainers._trainer_toys import ToyDataset, lr_fn, make_mlp
+from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
+from trainers.comm import Identity, RandomBlock, TopK
+from trainers.comm.detached_ef import DEFCombiner
+
+MOMENTUM, WD = 0.9, 1e-3
+
+
+def step64(model, batch):
+    x, y = batch
+    logits = model(x.double())
+    return F.cross_entropy(logits, y), {}
+
+
+def eval64(model, batch):
+    x, y = batch
+    logits = model(x.double())
+    return {"top1": (logits.argmax(1) == y).sum(), "count": y.numel()}
+
+
+class StateRecorder:
+    """x, e_i, the momentum m_i and the lr after every optimizer step."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        c = trainer.combiner
+        opt = trainer.optimizer
+        m = torch.cat(
+            [opt.state[p]["momentum_buffer"].reshape(-1) for p in trainer.model.parameters()]
+        )
+        self.records.append(
+            {"x": c.synced.clone(), "e": c.error.clone(), "m": m.clone(),
+             "lr": opt.param_groups[0]["lr"]}
+        )  # fmt: skip
+
+
+def fit64(env, combiner, *, hooks=(), eval_data=None, epochs=EPOCHS):
+    model = make_mlp(seed=0).double()
+    opt = torch.optim.SGD(model.parameters(), lr=lr_fn(0), momentum=MOMENTUM, weight_decay=WD)
+    trainer = Trainer(
+        model, opt,
+        TrainerConfig(epochs=epochs, batch_size=BATCH, seed=SEED, log_interval=0, progress=False,
+                      eval_interval=1),
+        env=env, logger=RunLogger(None, enabled=False), lr_schedule=lr_fn,
+        train_step=step64, eval_step=eval64, combiner=combiner, hooks=list(hooks),
+    )  # fmt: skip
+    trainer.fit(ToyDataset(N), eval_dataset=eval_data)
+    return trainer
+
+
+def reference_ef_on_updates(rank: int, ratio: float) -> torch.Tensor:
+    """Error feedback on updates, from the rule: m = mu m + g + wd x; delta = e + lr m;
+    c = mean_j topk(delta_j) (values sent as float32, as the wire format does); e = delta -
+    topk(delta); x -= c. Every worker's model is x."""
+    model = make_mlp(seed=0).double()
+    params = list(model.parameters())
+    x = torch.cat([p.detach().reshape(-1) for p in params])
+    m = torch.zeros_like(x)
+    e = torch.zeros_like(x)
+    for step, (xb, yb) in enumerate(local_batches(rank)):
+        for p in params:
+            p.grad = None
+        F.cross_entropy(model(xb.double()), yb).backward()
+        g = torch.cat([p.grad.reshape(-1) for p in params])
+        m = MOMENTUM * m + g + WD * x
+        delta = e + lr_fn(step) * m
+        k = max(1, round(ratio * x.numel()))
+        idx = delta.abs().topk(k).indices
+        own = torch.zeros_like(delta)
+        own[idx] = delta[idx].float().double()
+        c = own.clone()
+        dist.all_reduce(c)
+        c /= 2
+        e = delta - own
+        x = x - c
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                p.copy_(x[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+    return x
+
+
+def main(out: Path) -> None:
+    torch.set_num_threads(1)
+    with DistEnv.from_env(device="cpu") as env:
+        res: dict = {}
+        for name, comp, period in (
+            ("randblock", RandomBlock(ratio=0.2), 1), ("topk", TopK(ratio=0.2), 1),
+            ("randblock_p2", RandomBlock(ratio=0.2), 2),
+        ):  # fmt: skip
+            rec = StateRecorder()
+            trainer = fit64(env, DEFCombiner(compressor=comp, coeff=0.3, period=period, seed=SEED),
+                            hooks=[rec])  # fmt: skip
+            res[name] = {
+                "records": rec.records,
+                "final": [p.detach().clone() for p in trainer.model.parameters()],
+                "x": trainer.combiner.synced.clone(),
+                "e": trainer.combiner.error.clone(),
+            }
+        # coeff 0 = error feedback on updates
+        trainer = fit64(env, DEFCombiner(compressor=TopK(ratio=0.2), coeff=0.0))
+        res["coeff0"] = trainer.combiner.synced.clone()  # x (the module holds x - mean(e))
+        res["ref_coeff0"] = reference_ef_on_updates(env.rank, 0.2)
+        # the identity: e stays 0, synchronous momentum SGD (float32, as test_compress_dist)
+        res["identity"] = fit(env, DEFCombiner(compressor=Identity(), coeff=0.3))[1]
+        # evaluating in the middle changes nothing in training
+        with_eval = fit64(env, DEFCombiner(compressor=RandomBlock(ratio=0.2), seed=SEED),
+                          eval_data=ToyDataset(10))  # fmt: skip
+        without = fit64(env, DEFCombiner(compressor=RandomBlock(ratio=0.2), seed=SEED))
+        res["eval"] = {
+            "with": [p.detach().clone() for p in with_eval.model.parameters()],
+            "without": [p.detach().clone() for p in without.model.parameters()],
+            "top1": with_eval.last_eval["top1"],
+        }
+        res["resume"] = resumed_vs_straight(env, "def", out)
+        torch.save(res, out / f"rank{env.rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,100 @@
+"""``--grad-combine def`` (detached error feedback) on two gloo processes, float64.
+
+Oracles: the invariant of the rule (x - mean(e) moves by exactly -lr mean(m) for any
+compressor); error feedback on updates written from its rule with plain ``dist.all_reduce``
+and ``torch.topk`` (coeff 0); the hand-written synchronous momentum SGD of
+``_trainer_toys.plain_loop`` (identity compressor); a run without evaluations (evaluating at
+x - mean(e) must not change training); the run without a checkpoint (resume).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.trainers._launch import run_ranks
+from tests.trainers._trainer_toys import ToyDataset, make_mlp, plain_loop
+from trainers import create_combiner
+
+pytestmark = pytest.mark.dist
+N, GLOBAL_BATCH, STEPS, SEED = 48, 8, 12, 5  # as in _comm_worker.py
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("def")
+    run_ranks("tests.trainers._def_worker", [str(out)], timeout=300)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.mark.parametrize("name", ["randblock", "topk"])
+def test_the_average_model_steps_by_minus_lr_times_the_mean_momentum(ranks, name):
+    per_rank = [r[name]["records"] for r in ranks]
+    assert len(per_rank[0]) == STEPS
+    x0 = torch.cat([p.detach().reshape(-1) for p in make_mlp(seed=0).double().parameters()])
+    previous = x0  # x - mean(e) before the first step (e = 0)
+    for t in range(STEPS):
+        a, b = per_rank[0][t], per_rank[1][t]
+        assert torch.equal(a["x"], b["x"]), "the shared model differs between ranks"
+        assert not torch.equal(a["e"], torch.zeros_like(a["e"])), "nothing was left out"
+        now = a["x"] - (a["e"] + b["e"]) / 2
+        expected = previous - a["lr"] * (a["m"] + b["m"]) / 2
+        torch.testing.assert_close(now, expected, rtol=0, atol=1e-12)
+        previous = now
+
+
+def test_with_period_two_the_invariant_holds_at_each_communication(ranks):
+    per_rank = [r["randblock_p2"]["records"] for r in ranks]
+    x0 = torch.cat([p.detach().reshape(-1) for p in make_mlp(seed=0).double().parameters()])
+    previous, moved = x0, torch.zeros_like(x0)
+    for t in range(STEPS):
+        a, b = per_rank[0][t], per_rank[1][t]
+        moved = moved + a["lr"] * (a["m"] + b["m"]) / 2
+        if (t + 1) % 2:
+            continue
+        now = a["x"] - (a["e"] + b["e"]) / 2
+        torch.testing.assert_close(now, previous - moved, rtol=0, atol=1e-12)
+        previous, moved = now, torch.zeros_like(x0)
+
+
+def test_fit_leaves_the_average_model_on_every_rank(ranks):
+    for name in ("randblock", "topk"):
+        a, b = ranks[0][name], ranks[1][name]
+        expected = a["x"] - (a["e"] + b["e"]) / 2
+        for r in (a, b):
+            got = torch.cat([p.reshape(-1) for p in r["final"]])
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-15)
+
+
+def test_coeff_zero_is_error_feedback_on_updates(ranks):
+    for r in ranks:
+        torch.testing.assert_close(r["coeff0"], r["ref_coeff0"], rtol=0, atol=1e-12)
+
+
+def test_the_identity_compressor_is_synchronous_momentum_sgd(ranks):
+    model = plain_loop(make_mlp(seed=0), ToyDataset(N), batch=GLOBAL_BATCH, steps=STEPS, seed=SEED)
+    for r in ranks:
+        for got, ref in zip(r["identity"], model.parameters(), strict=True):
+            torch.testing.assert_close(got, ref.detach(), rtol=0, atol=1e-5)
+
+
+def test_evaluating_changes_nothing_in_training(ranks):
+    for r in ranks:
+        assert 0 <= r["eval"]["top1"] <= 1
+        for a, b in zip(r["eval"]["with"], r["eval"]["without"], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_resuming_is_bit_exact(ranks):
+    for r in ranks:
+        straight, resumed = r["resume"]
+        for a, b in zip(straight, resumed, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"), [({"coeff": -1}, "coeff"), ({"period": 0}, "period")]
+)
+def test_bad_options_name_the_option(options, message):
+    with pytest.raises(ValueError, match=message):
+        create_combiner("def", **options)
