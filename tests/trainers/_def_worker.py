@@ -1,7 +1,8 @@
 """One rank of test_def.py's 2-process checks of ``--grad-combine def`` (torchrun's variables).
 
 Float64 toy runs through the Trainer, the state after every step, and next to them error
-feedback on updates written from its rule with plain ``dist.all_reduce`` and ``torch.topk``.
+feedback on updates written from its rule with plain ``dist.all_reduce`` and ``torch.topk``;
+then importance pruning's compressed all-reduce on random vectors.
 Each rank saves its results in ``OUTDIR/rank{r}.pt``.
 
 Usage: python -m tests.trainers._def_worker OUTDIR
@@ -27,7 +28,7 @@ from tests.trainers._comm_worker import (
 )
 from tests.trainers._trainer_toys import ToyDataset, lr_fn, make_mlp
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
-from trainers.comm import Identity, RandomBlock, TopK
+from trainers.comm import Identity, Importance, RandomBlock, TopK, compressed_allreduce
 from trainers.comm.detached_ef import DEFCombiner
 
 MOMENTUM, WD = 0.9, 1e-3
@@ -143,6 +144,20 @@ def main(out: Path) -> None:
             "top1": with_eval.last_eval["top1"],
         }
         res["resume"] = resumed_vs_straight(env, "def", out)
+
+        # importance pruning: one index set per step, chosen by the drawn rank, broadcast
+        g = torch.Generator().manual_seed(100 + env.rank)
+        x = torch.randn(200, generator=g, dtype=torch.float64)
+        w = torch.randn(200, generator=g, dtype=torch.float64)
+        res["importance"] = {"x": x, "w": w}
+        for name, ratio, weights in (
+            ("pruned", 0.1, w), ("equal_weights", 0.1, torch.full_like(w, 0.5)), ("dense", 1.0, w)
+        ):  # fmt: skip
+            mean, own, sent = compressed_allreduce(
+                Importance(ratio=ratio), x, env, shared=torch.Generator().manual_seed(7),
+                weights=weights,
+            )  # fmt: skip
+            res["importance"][name] = {"mean": mean, "own": own, "sent": sent}
         torch.save(res, out / f"rank{env.rank}.pt")
 
 

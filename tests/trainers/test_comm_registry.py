@@ -89,6 +89,8 @@ def test_every_option_has_a_flag_that_sets_it(mode):
             argv, want = [flag, "3"], 3
         if f.name in ("levels", "bucket_size"):  # options of the qsgd compressor
             argv += ["--compressor", "qsgd"]
+        if flag == "--importance-eps":  # an option of the importance compressor
+            argv += ["--compressor", "importance"]
         args = _parser().parse_args(["--grad-combine", mode, "--lr", "0.1", *argv])
         got = getattr(combiner_config(args).options, f.name)
         assert got == want, (mode, flag)

@@ -1,14 +1,19 @@
-"""``--grad-combine def`` (detached error feedback) on two gloo processes, float64.
+"""``--grad-combine def`` (detached error feedback) and ``--compressor importance`` on two gloo
+processes, float64.
 
 Oracles: the invariant of the rule (x - mean(e) moves by exactly -lr mean(m) for any
 compressor); error feedback on updates written from its rule with plain ``dist.all_reduce``
 and ``torch.topk`` (coeff 0); the hand-written synchronous momentum SGD of
 ``_trainer_toys.plain_loop`` (identity compressor); a run without evaluations (evaluating at
-x - mean(e) must not change training); the run without a checkpoint (resume).
+x - mean(e) must not change training); the run without a checkpoint (resume). Importance
+pruning: the index set recomputed with numpy from the drawn rank's values and parameters,
+the mean of the workers' values there, plain top-k when all weights are equal, the dense mean
+at ratio 1.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,3 +103,51 @@ def test_resuming_is_bit_exact(ranks):
 def test_bad_options_name_the_option(options, message):
     with pytest.raises(ValueError, match=message):
         create_combiner("def", **options)
+
+
+def _chooser() -> int:
+    # the documented draw: one rank from the generator every rank seeds alike (seed 7 here)
+    return int(torch.randint(2, (), generator=torch.Generator().manual_seed(7)))
+
+
+def test_importance_pruning_sends_one_index_set_chosen_by_one_rank(ranks):
+    c = _chooser()
+    x = ranks[c]["importance"]["x"].numpy()
+    w = ranks[c]["importance"]["w"].numpy()
+    k = 20  # ratio 0.1 of 200
+    expected = set(np.argsort(-(np.abs(x) / (np.abs(w) + 1e-6)))[:k].tolist())
+    supports = [
+        set(np.flatnonzero(r["importance"]["pruned"]["own"].numpy()).tolist()) for r in ranks
+    ]
+    assert supports[0] == supports[1] == expected
+    mean = (ranks[0]["importance"]["x"] + ranks[1]["importance"]["x"]) / 2
+    want = torch.zeros_like(mean)
+    idx = torch.tensor(sorted(expected))
+    want[idx] = mean[idx]
+    for r in ranks:
+        torch.testing.assert_close(r["importance"]["pruned"]["mean"], want, rtol=0, atol=1e-15)
+        assert r["importance"]["pruned"]["sent"] == 8 * k
+
+
+def test_importance_with_equal_weights_is_the_choosers_top_k(ranks):
+    x = ranks[_chooser()]["importance"]["x"].numpy()
+    expected = set(np.argsort(-np.abs(x))[:20].tolist())
+    for r in ranks:
+        got = set(np.flatnonzero(r["importance"]["equal_weights"]["own"].numpy()).tolist())
+        assert got == expected
+
+
+def test_importance_at_ratio_one_is_the_dense_mean(ranks):
+    mean = (ranks[0]["importance"]["x"] + ranks[1]["importance"]["x"]) / 2
+    for r in ranks:
+        torch.testing.assert_close(r["importance"]["dense"]["mean"], mean, rtol=0, atol=1e-15)
+
+
+def test_importance_needs_the_parameters():
+    from trainers import DistEnv
+    from trainers.comm import Importance, compressed_allreduce
+
+    with pytest.raises(ValueError, match="weights="):
+        compressed_allreduce(Importance(), torch.ones(4), DistEnv())
+    with pytest.raises(ValueError, match="eps"):
+        Importance(eps=0)

@@ -12,7 +12,7 @@ from ..data import derive_seed
 from ..dist import DistEnv
 from .base import CommCounter, GradCombiner, option
 from .compressors import COMPRESSORS, Compressor, compressed_allreduce, create_compressor
-from .flat import broadcast_, model_tensors
+from .flat import broadcast_, flatten, model_tensors
 
 __all__ = ["CompressedCombiner", "CompressorOptions", "no_loss_scaling"]
 
@@ -28,7 +28,7 @@ class CompressorOptions:
     compressor: str | Compressor = option("topk", "the compressor", choices=_compressor_names)
     ratio: float | None = option(
         None,
-        "topk / randblock: fraction of the entries sent (default: the compressor's)",
+        "topk / randblock / importance: fraction of the entries sent (default: the compressor's)",
         flag="--compress-ratio",
     )
     levels: int | None = option(
@@ -39,6 +39,10 @@ class CompressorOptions:
     bucket_size: int | None = option(
         None, "qsgd: elements per shared norm (default: the compressor's)", flag="--qsgd-bucket"
     )
+    eps: float | None = option(
+        None, "importance: eps of |g| / (|w| + eps) (default: the compressor's)",
+        flag="--importance-eps",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         self.build_compressor()  # validates the name and the options it takes
@@ -46,7 +50,7 @@ class CompressorOptions:
     def build_compressor(self) -> Compressor:
         given = {
             k: getattr(self, k)
-            for k in ("ratio", "levels", "bucket_size")
+            for k in ("ratio", "levels", "bucket_size", "eps")
             if getattr(self, k) is not None
         }
         if isinstance(self.compressor, Compressor):
@@ -97,9 +101,15 @@ class CompressedCombiner(GradCombiner):
         return shared, local
 
     def _reduce(self, x: Tensor, compressor: Compressor, salt: int) -> tuple[Tensor, Tensor]:
-        assert self.env is not None
+        """``x`` is laid out as the flat trainable parameters (what ``importance`` weighs)."""
+        assert self.env is not None and self.model is not None
         shared, local = self._generators(salt)
-        mean, own, sent = compressed_allreduce(compressor, x, self.env, shared=shared, local=local)
+        weights = None
+        if compressor.shares_selection:
+            weights = flatten([p for p in self.model.parameters() if p.requires_grad], x.dtype)
+        mean, own, sent = compressed_allreduce(
+            compressor, x, self.env, shared=shared, local=local, weights=weights
+        )
         self.counter.add(sent if self.env.distributed else 0)
         return mean, own
 

@@ -21,6 +21,8 @@ name            what one worker sends for ``n`` fp32 elements            collect
                 (n / 8 + 4)
 ``qsgd``        QSGD's stochastic levels as int8 (int32 beyond 127 for   allreduce
                 the sum of all workers) plus one shared norm per bucket
+``importance``  the ``k`` values of largest ``|x| / (|w| + eps)`` at an   allreduce
+                index set one worker chooses and broadcasts (4 k + 4 k)
 ==============  =======================================================  ==================
 
 *Allreduce-compatible* compressors encode every worker against shared information (the
@@ -79,6 +81,7 @@ __all__ = [
     "Compressor",
     "FP16",
     "Identity",
+    "Importance",
     "QSGD",
     "RandomBlock",
     "Sign",
@@ -111,6 +114,9 @@ class Compressor(abc.ABC):
 
     name = "base"
     allreduce_compatible = False
+    #: encodes against an index set that one worker chooses from its values and the model's
+    #: parameters (``weights``) and broadcasts: :meth:`select`, then ``compress(stats=indices)``
+    shares_selection = False
 
     def __init__(self) -> None:
         self.world_size = 1
@@ -122,6 +128,11 @@ class Compressor(abc.ABC):
 
     def shared_stats(self, x: Tensor) -> Tensor | None:
         return None
+
+    def select(self, x: Tensor, weights: Tensor) -> Tensor:
+        """The index set (int64) every worker will send, chosen from ``x`` and the model's
+        parameters ``weights`` (same layout); only for ``shares_selection`` compressors."""
+        raise TypeError(f"compressor {self.name!r} does not choose a shared index set")
 
     @abc.abstractmethod
     def compress(
@@ -272,6 +283,58 @@ class RandomBlock(Compressor):
         return f"RandomBlock(ratio={self.ratio})"
 
 
+class Importance(Compressor):
+    """Importance-weighted pruning (``importance``; Cheng & Xu, arXiv 1901.01544).
+
+    Element ``j``'s importance is ``|x_j| / (|w_j| + eps)`` (``w``: the model's parameter it
+    updates; ``eps`` because biases start at 0); the ``k = ratio * n`` most important are kept.
+    So that the kept values add up in a plain all-reduce, every worker sends the **same**
+    index set each step: one worker, drawn from the generator all workers seed alike, chooses
+    it from its own values and broadcasts it; every worker then sends its values there. Pair it
+    with error feedback (``--grad-combine ef``). Bytes: ``4 k`` values plus the ``4 k`` int32
+    indices the choosing worker broadcasts (counted for every worker: an upper bound).
+    """
+
+    name = "importance"
+    allreduce_compatible = True
+    shares_selection = True
+
+    def __init__(self, ratio: float = 0.01, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.ratio = _check_ratio(ratio, "importance")
+        if not eps > 0:
+            raise ValueError(f"importance: eps (in |g| / (|w| + eps)) must be > 0, got {eps}")
+        self.eps = float(eps)
+
+    def select(self, x: Tensor, weights: Tensor) -> Tensor:
+        if weights.shape != x.shape:
+            raise ValueError(
+                f"importance: the parameters have {weights.numel()} elements, the vector "
+                f"{x.numel()}; pass the flat trainable parameters in the vector's layout"
+            )
+        score = x.abs() / (weights.to(x.dtype).abs() + self.eps)
+        return score.topk(_count(x.numel(), self.ratio), sorted=False).indices
+
+    def compress(self, x, stats=None, *, shared=None, local=None):
+        if stats is None:
+            raise ValueError(
+                "importance: compress needs the shared index set (stats=select(x, weights)); "
+                "compressed_allreduce(..., weights=params) chooses and broadcasts it"
+            )
+        return [x[stats].clone()], Context(x.numel(), x.dtype, stats)
+
+    def decompress(self, payload, ctx):
+        out = torch.zeros(ctx.numel, dtype=payload[0].dtype, device=payload[0].device)
+        out[ctx.shared] = payload[0]
+        return out.to(ctx.dtype)
+
+    def payload_bytes(self, numel: int) -> int:
+        return 8 * _count(numel, self.ratio)
+
+    def __repr__(self) -> str:
+        return f"Importance(ratio={self.ratio}, eps={self.eps})"
+
+
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
 
@@ -379,7 +442,7 @@ class QSGD(Compressor):
 
 
 COMPRESSORS: dict[str, type[Compressor]] = {
-    c.name: c for c in (Identity, FP16, BF16, TopK, RandomBlock, Sign, QSGD)
+    c.name: c for c in (Identity, FP16, BF16, TopK, RandomBlock, Sign, QSGD, Importance)
 }
 
 
@@ -418,15 +481,35 @@ def compressed_allreduce(
     *,
     shared: torch.Generator | None = None,
     local: torch.Generator | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, int]:
     """Average ``compressor(x)`` over the workers.
+
+    ``weights``: the model's flat parameters in ``x``'s layout, for compressors that choose a
+    shared index set from them (``importance``): the worker drawn from ``shared`` (rank 0
+    without it) chooses, and broadcasts its choice.
 
     Returns:
         ``(mean of the workers' decoded vectors, this worker's decoded vector, bytes sent)``.
     """
-    stats = compressor.shared_stats(x)
-    if stats is not None and env.distributed:
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    if compressor.shares_selection:
+        if weights is None:
+            raise ValueError(
+                f"compressor {compressor.name!r} chooses its index set from the parameters: "
+                "pass weights= (the flat trainable parameters)"
+            )
+        stats = compressor.select(x, weights)
+        if env.distributed:
+            chooser = (
+                int(torch.randint(env.world_size, (), generator=shared))
+                if shared is not None
+                else 0
+            )
+            dist.broadcast(stats, src=chooser)
+    else:
+        stats = compressor.shared_stats(x)
+        if stats is not None and env.distributed:
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     payload, ctx = compressor.compress(x, stats, shared=shared, local=local)
     own = compressor.decompress(payload, ctx)
     if any(own.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in payload):

@@ -50,7 +50,9 @@ _SALT = 0x919E
 
 def _pipeline_compressors() -> list[str]:
     """The compressors whose encoded vectors a plain (asynchronous) all-reduce can sum."""
-    return [name for name, c in COMPRESSORS.items() if c.allreduce_compatible]
+    return [
+        name for name, c in COMPRESSORS.items() if c.allreduce_compatible and not c.shares_selection
+    ]
 
 
 @dataclass(frozen=True)
