@@ -545,10 +545,14 @@ class Trainer:
         Returns the state on rank 0 and ``None`` elsewhere: per-rank parts (RNG states,
         combiner state, partial metric sums) are gathered to rank 0.
         """
+        model = self.combiner.checkpoint_model()  # a collective too (DEF: the average)
         ranks = self.env.gather_object(self._rank_state())
         if not self.env.is_main:
             return None
-        return self._full_state(ranks)
+        state = self._full_state(ranks)
+        if model is not None:
+            state["model"] = model
+        return state
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's state without any communication (in-memory commits, see elastic.py).

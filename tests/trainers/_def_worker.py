@@ -64,6 +64,18 @@ class StateRecorder:
         )  # fmt: skip
 
 
+class CheckpointProbe:
+    """The ``model`` entry of a checkpoint taken after step 3 (a collective: every rank)."""
+
+    model: dict | None = None
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        if step == 3:
+            state = trainer.state_dict()
+            if state is not None:
+                self.model = {k: v.clone() for k, v in state["model"].items()}
+
+
 def fit64(env, combiner, *, hooks=(), eval_data=None, epochs=EPOCHS):
     model = make_mlp(seed=0).double()
     opt = torch.optim.SGD(model.parameters(), lr=lr_fn(0), momentum=MOMENTUM, weight_decay=WD)
@@ -119,14 +131,15 @@ def main(out: Path) -> None:
             ("randblock", RandomBlock(ratio=0.2), 1), ("topk", TopK(ratio=0.2), 1),
             ("randblock_p2", RandomBlock(ratio=0.2), 2),
         ):  # fmt: skip
-            rec = StateRecorder()
+            rec, probe = StateRecorder(), CheckpointProbe()
             trainer = fit64(env, DEFCombiner(compressor=comp, coeff=0.3, period=period, seed=SEED),
-                            hooks=[rec])  # fmt: skip
+                            hooks=[rec, probe])  # fmt: skip
             res[name] = {
                 "records": rec.records,
                 "final": [p.detach().clone() for p in trainer.model.parameters()],
                 "x": trainer.combiner.synced.clone(),
                 "e": trainer.combiner.error.clone(),
+                "checkpoint_model": probe.model,
             }
         # coeff 0 = error feedback on updates
         trainer = fit64(env, DEFCombiner(compressor=TopK(ratio=0.2), coeff=0.0))

@@ -151,3 +151,14 @@ def test_importance_needs_the_parameters():
         compressed_allreduce(Importance(), torch.ones(4), DistEnv())
     with pytest.raises(ValueError, match="eps"):
         Importance(eps=0)
+
+
+def test_a_checkpoint_holds_the_average_model(ranks):
+    """The checkpoint after step 3 (rank 0 writes it): its model is x - mean(e) of step 3."""
+    a, b = (r["randblock"]["records"][2] for r in ranks)
+    average = a["x"] - (a["e"] + b["e"]) / 2
+    saved = ranks[0]["randblock"]["checkpoint_model"]
+    got = torch.cat([saved[k].reshape(-1) for k in ("0.weight", "0.bias", "2.weight", "2.bias")])
+    torch.testing.assert_close(got, average, rtol=0, atol=1e-15)
+    local = a["x"] - 0.3 * a["e"]  # rank 0's own model y_0 then: not what is saved
+    assert not torch.allclose(got, local)

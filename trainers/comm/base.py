@@ -187,6 +187,11 @@ class GradCombiner:
         """After evaluation (every rank): undo what :meth:`synchronize` set up only for the
         evaluation (DEF evaluates an averaged model, then trains on from its local ones)."""
 
+    def checkpoint_model(self) -> dict[str, Any] | None:
+        """Before a checkpoint (a collective, every rank): the model state its ``model`` entry
+        holds, or ``None`` for the module's own (rank 0's). DEF gives the averaged model."""
+        return None
+
     def metrics(self) -> dict[str, float]:
         """Extra numbers for the step records (e.g. bytes sent per step)."""
         return {}

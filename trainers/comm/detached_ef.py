@@ -19,7 +19,9 @@ authors' CIFAR recipe uses 0.3 with random-block sparsification at ratio 1/64 on
 For any compressor ``x - mean(e)`` moves exactly by ``-lr mean_i m_i`` each step: the
 averaged model is the one synchronous momentum SGD would step, with the gradients taken at
 the detached points. Evaluation (``synchronize``) and the model left at the end of ``fit``
-are ``x - mean_j e_j`` (the authors' evaluation point); training resumes from ``y_i``.
+are ``x - mean_j e_j`` (the authors' evaluation point), and so is the ``model`` entry of every
+checkpoint; training resumes from ``y_i`` (every rank's ``x``, ``e_i``, ``delta_i``, ``y_i`` and
+momentum are in the checkpoint's per-rank state).
 
 The rule follows the authors' code (``anxuthu/DEF``, ``optimizers/Def.py``: the update is
 accumulated into ``delta`` between communications and the error is kept in it afterwards).
@@ -159,6 +161,25 @@ class DEFCombiner(CompressedCombiner):
         self._keep = True
 
     # -- checkpoints -----------------------------------------------------------------------------
+    def checkpoint_model(self) -> dict[str, Any]:
+        """The checkpoint's model: ``x - mean(e)`` and the averaged floating buffers (a
+        collective); the module keeps training from ``y_i``."""
+        assert self.model is not None and self.env is not None
+        assert self.synced is not None and self.error is not None
+        with torch.no_grad():
+            mean_error = self.error.clone()
+            allreduce_mean_([mean_error], self.env, dtype=self._dtype)
+            average = self.synced - mean_error
+            state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            offset = 0
+            for name, p in self.model.named_parameters():
+                if p.requires_grad:
+                    state[name] = average[offset : offset + p.numel()].view_as(p).to(p.dtype)
+                    offset += p.numel()
+            buffers = [state[k] for k, b in self.model.named_buffers() if b.is_floating_point()]
+            allreduce_mean_(buffers, self.env)
+        return state
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         assert self.synced is not None and self.error is not None and self.delta is not None
