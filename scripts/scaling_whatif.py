@@ -135,11 +135,16 @@ def needed_ratio(w: Workload, workers: int, gbps: float, latency: float, target:
 #   sgp, overlap 0 / adpsgd synchronous rounds      s T_c + T_m                   every rank
 #   sgp, overlap tau >= 1 (tau messages in flight)  max(s T_c, T_m / tau)         every rank
 #   adpsgd asynchronous (its own thread)            T_c (fast), s T_c (straggler)
+#   coded (CodedReduce, s <= its tolerance: the     T_c + T_m (fast), s T_c + T_m (straggler)
+#     straggler's message is not waited for)
+#
+# For coded, ``T_m`` is ``depth`` messages up the tree plus the root's ``n - 1`` messages of
+# the update down (point to point): ``(depth + n - 1) S / B`` plus latencies.
 #
 # A blocking all-reduce or a lockstep gossip round makes every rank wait for the slowest,
 # after at most log2(n) rounds for gossip; only the asynchronous method lets the fast ranks
 # run at their own speed (its exchanges happen less often than steps when 2 T_m > T_c).
-METHODS = ("average", "pipesgd", "sgp", "sgp-overlap", "adpsgd", "adpsgd-async")
+METHODS = ("average", "pipesgd", "sgp", "sgp-overlap", "adpsgd", "adpsgd-async", "coded")
 
 
 def message_time(grad_bytes: float, gbps: float, latency: float) -> float:
@@ -177,8 +182,10 @@ def method_step_time(
     if method == "sgp-overlap":
         t = max(slow, comm / max(1, tau))
         return t, t
-    if method == "adpsgd-async":
-        return compute, slow
+    if method in ("adpsgd-async", "coded"):
+        return compute + (comm if method == "coded" else 0.0), slow + (
+            comm if method == "coded" else 0.0
+        )
     raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
 
 
@@ -191,7 +198,9 @@ def method_table(w: Workload, workers: Sequence[int], gbps: float, latency: floa
         ring = comm_time(w, n, gbps, latency, ratio=1.0)
         cells = []
         for m in METHODS:
-            comm = {"average": ring, "pipesgd": ring, "adpsgd-async": 2 * one}.get(m, one)
+            depth = math.ceil(math.log2(n)) if n > 1 else 0  # a binary tree
+            coded = (depth + n - 1) * one
+            comm = {"average": ring, "pipesgd": ring, "adpsgd-async": 2 * one, "coded": coded}.get(m, one)  # fmt: skip
             o = w.overlap if m == "average" else 0.0
             base = method_step_time(m, w.compute_time, comm, overlap=o)[0]
             slow = method_step_time(m, w.compute_time, comm, straggler=2.0, overlap=o)[0]

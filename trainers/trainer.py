@@ -427,11 +427,12 @@ class Trainer:
     # data
     # ======================================================================================
     def _train_sampler(self, num_samples: int) -> ShardedSampler:
+        part, parts = self.combiner.data_shard()  # (rank, world size) but for coded modes
         return ShardedSampler(
             num_samples,
             batch_size=self.config.batch_size,
-            world_size=self.env.world_size,
-            rank=self.env.rank,
+            world_size=parts,
+            rank=part,
             seed=self.config.seed,
             epoch=self.epoch,
             start=min(self.epoch_samples, num_samples),
@@ -447,11 +448,11 @@ class Trainer:
                 f"batch ({sampler.global_batch_size} = batch_size {sampler.batch_size} x "
                 f"world_size {sampler.world_size}); lower the batch size or set drop_last=False"
             )
-        if sizes and sizes[-1] < self.env.world_size:
+        if sizes and sizes[-1] < sampler.world_size:  # data shards: ranks, but for coded
             raise ValueError(
                 f"the last batch of epoch {sampler.epoch} has {sizes[-1]} samples for "
-                f"{self.env.world_size} ranks, so some rank would get none; set drop_last=True "
-                "or change the batch size"
+                f"{sampler.world_size} data shards, so some rank would get none; set "
+                "drop_last=True or change the batch size"
             )
 
     def _loader(

@@ -339,6 +339,8 @@ def test_decentralized_cost_models_by_hand():
     assert whatif.method_step_time("pipesgd", tc, tm, straggler=2) == pytest.approx((0.2, 0.2))
     assert whatif.method_step_time("adpsgd", tc, tm, straggler=2) == pytest.approx((0.26, 0.26))
     assert whatif.method_step_time("adpsgd-async", tc, tm, straggler=2) == pytest.approx((0.1, 0.2))
+    # CodedReduce within its tolerance: the fast ranks pay T_m but never the straggler's time
+    assert whatif.method_step_time("coded", tc, tm, straggler=2) == pytest.approx((0.16, 0.26))
     # one 100 MB model to one peer at 10 Gbps with 10 us latency: 0.08 s + 1e-5
     assert whatif.message_time(1e8, 10, 1e-5) == pytest.approx(0.08001)
     with pytest.raises(ValueError, match="unknown method"):

@@ -11,6 +11,7 @@ mode               what travels                                                 
 ``ef``             compressed gradients, with error feedback                      ``ef``
 ``cser``           compressed updates, residuals reset every H steps              ``cser``
 ``def``            compressed updates, local models detached by the error         ``detached_ef``
+``coded``          gradient sums up a tree, the first of each group (CodedReduce) ``coded``
 ``powersgd``       low-rank factors (PyTorch's DDP hook)                          ``ddp_hooks``
 ``fp16``/``bf16``  gradients cast to 16 bits (PyTorch's DDP hooks)                ``ddp_hooks``
 ``localsgd``       models, every H steps (post-local SGD)                         ``localsgd``

@@ -187,6 +187,13 @@ class GradCombiner:
         """After evaluation (every rank): undo what :meth:`synchronize` set up only for the
         evaluation (DEF evaluates an averaged model, then trains on from its local ones)."""
 
+    def data_shard(self) -> tuple[int, int]:
+        """``(part, parts)``: this rank trains on shard ``part`` of the ``parts`` disjoint
+        shards of every global batch (after :meth:`prepare`; default: its rank in the world).
+        CodedReduce gives several ranks the same shard."""
+        env = self.env
+        return (env.rank, env.world_size) if env is not None else (0, 1)
+
     def checkpoint_model(self) -> dict[str, Any] | None:
         """Before a checkpoint (a collective, every rank): the model state its ``model`` entry
         holds, or ``None`` for the module's own (rank 0's). DEF gives the averaged model."""

@@ -1,0 +1,81 @@
+"""One rank of test_coded.py (torchrun's variables set): CodedReduce through the Trainer.
+
+``python -m tests.trainers._coded_worker OUTDIR BRANCHING STRAGGLERS``: a float64 toy run of
+6 steps with a recording subclass (each step's local gradient and the applied mean) and, per
+step, one injected slow rank (a sleep before its forward); with STRAGGLERS 0 also the same run
+under DDP averaging. Each rank saves ``OUTDIR/rank{r}.pt``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tests.trainers._trainer_toys import ToyDataset, lr_fn, make_mlp
+from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
+from trainers.comm import AverageCombiner
+from trainers.comm.coded import CodedReduceCombiner
+from trainers.comm.flat import flat_grads
+
+STEPS, BATCH, SEED, DELAY = 6, 2, 3, 1.0
+# The rank slowed at each step: at most one per group over the whole run, since a rank
+# that fell behind stays behind (nobody waits for it): the root's child 1 (first of its
+# group), grandchild 3 (first under 1), grandchild 6 (second under 2). None: no straggler.
+SLOW = {7: [None, 1, None, 3, None, 6], 3: [None, 2, None, None, None, None]}
+
+
+class Recording(CodedReduceCombiner):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.local: list[torch.Tensor] = []
+        self.applied: list[torch.Tensor] = []
+
+    def reduce_gradients(self, scaler) -> None:
+        self.local.append(flat_grads(self._params(), torch.float64))
+        super().reduce_gradients(scaler)
+        self.applied.append(flat_grads(self._params(), torch.float64))
+
+
+def run(env: DistEnv, combiner, slow: list) -> Trainer:
+    model = make_mlp(seed=0).double()
+
+    def step(m, batch):
+        if slow[trainer.global_step] == env.rank:
+            time.sleep(DELAY)
+        x, y = batch
+        return F.cross_entropy(m(x.double()), y), {}
+
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=lr_fn(0), momentum=0.9),
+        TrainerConfig(epochs=1, max_steps=STEPS, batch_size=BATCH, seed=SEED, log_interval=0,
+                      progress=False),
+        env=env, logger=RunLogger(None, enabled=False), lr_schedule=lr_fn, train_step=step,
+        combiner=combiner,
+    )  # fmt: skip
+    trainer.fit(ToyDataset(48))
+    return trainer
+
+
+def main(out: Path, branching: int, stragglers: int) -> None:
+    torch.set_num_threads(1)
+    with DistEnv.from_env(device="cpu") as env:
+        slow = SLOW[env.world_size] if stragglers else [None] * STEPS
+        coded = Recording(branching=branching, stragglers=stragglers)
+        trainer = run(env, coded, slow)
+        res = {
+            "local": coded.local, "applied": coded.applied, "waited": coded.waited,
+            "part": coded.data_shard(), "slow": slow,
+            "params": [p.detach().clone() for p in trainer.model.parameters()],
+        }  # fmt: skip
+        if stragglers == 0:
+            reference = run(env, AverageCombiner(), [None] * STEPS)
+            res["ddp"] = [p.detach().clone() for p in reference.model.parameters()]
+        torch.save(res, out / f"rank{env.rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

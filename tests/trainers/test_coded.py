@@ -1,0 +1,87 @@
+"""``--grad-combine coded`` (CodedReduce, fractional repetition on a tree) on gloo processes.
+
+Oracles: the mean of the step's distinct data parts computed here from every rank's recorded
+local gradient (float64) for a straggler at every position of a 7-rank, 2-level tree; the
+ranks that share data computing bit-identical gradients; the root not waiting for a slow
+child; with no tolerance (s = 0) the whole run equal to DDP's averaging.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.trainers._coded_worker import DELAY, STEPS
+from tests.trainers._launch import run_ranks
+from trainers import create_combiner
+from trainers.comm.coded import CodedTree
+
+pytestmark = pytest.mark.dist
+
+
+def _launch(tmp_path_factory, world: int, branching: int, stragglers: int) -> list[dict]:
+    out = tmp_path_factory.mktemp(f"coded{world}")
+    run_ranks("tests.trainers._coded_worker", [str(out), str(branching), str(stragglers)],
+              world=world, timeout=300)  # fmt: skip
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def tree7(tmp_path_factory):
+    return _launch(tmp_path_factory, 7, 2, 1)
+
+
+@pytest.fixture(scope="module")
+def tree3_exact(tmp_path_factory):
+    return _launch(tmp_path_factory, 3, 2, 0)
+
+
+def test_the_tree_and_its_data_parts():
+    tree = CodedTree(7, 2, 1)
+    assert tree.groups[0] == [[1, 2]] and tree.groups[1] == [[3, 4]] and tree.groups[2] == [[5, 6]]
+    # 1 and 2 share data, and so do their subtrees position by position: 3, 4, 5, 6
+    assert tree.part_of == [0, 1, 1, 2, 2, 2, 2] and tree.parts == 3
+    assert CodedTree(5, 4, 1).part_of == [0, 1, 1, 2, 2]
+    assert CodedTree(3, 2, 0).part_of == [0, 1, 2]
+    with pytest.raises(ValueError, match="rank 1 has 1 children.*e.g. 3, 7, 15"):
+        CodedTree(4, 2, 1)
+    with pytest.raises(ValueError, match="not a multiple of stragglers"):
+        CodedTree(4, 3, 1)
+    with pytest.raises(ValueError, match="stragglers must be >= 0"):
+        create_combiner("coded", stragglers=-1)
+
+
+def test_every_step_applies_the_mean_of_the_distinct_parts(tree7):
+    parts = [r["part"] for r in tree7]
+    assert {p for p, _ in parts} == {0, 1, 2} and {n for _, n in parts} == {3}
+    for t in range(STEPS):
+        first = {}
+        for rank, r in enumerate(tree7):
+            part = r["part"][0]
+            if part in first:  # the premise of fractional repetition: equal bit for bit
+                assert torch.equal(r["local"][t], tree7[first[part]]["local"][t]), (t, rank)
+            else:
+                first[part] = rank
+        mean = sum(tree7[rank]["local"][t] for rank in first.values()) / 3
+        for r in tree7:
+            torch.testing.assert_close(r["applied"][t], mean, rtol=0, atol=1e-12)
+
+
+def test_a_slow_child_is_not_waited_for(tree7):
+    root = tree7[0]
+    assert [s for s in root["slow"] if s is not None] == [1, 3, 6]
+    # a child (1) or grandchild (3, 6) slowed by DELAY: the group-mate's equal message is
+    # used at once, at the root and at the slow grandchild's parent
+    assert max(root["waited"]) < DELAY / 2, root["waited"]
+    assert max(tree7[2]["waited"]) < DELAY / 2, tree7[2]["waited"]
+    # and the run ends with the same model everywhere
+    for r in tree7[1:]:
+        for a, b in zip(r["params"], root["params"], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_without_tolerance_it_is_the_all_reduce_average(tree3_exact):
+    for r in tree3_exact:
+        assert r["part"][1] == 3
+        for a, b in zip(r["params"], r["ddp"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
