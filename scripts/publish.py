@@ -13,7 +13,7 @@ Usage::
     # an elastic recipe: 3 nodes, one killed at step 30, one added at step 70 (trainers.elastic_drill)
     python scripts/publish.py run elastic_digits --elastic-drill 3:30:70 --threads 1 ... -- scripts/train_imagenet.py ...
     # list a recipe whose logs exist already (e.g. one written before fingerprints: "legacy")
-    python scripts/publish.py add squad_minilm_3ep --logs logs/squad_minilm_3ep.jsonl \
+    python scripts/publish.py add old_recipe --logs logs/old_recipe.jsonl \
         --metric f1 --source end --minimum 43 --min-seeds 3 --description "..."
     python scripts/publish.py docs     # regenerate the claims tables in docs/ from claims.json
     python scripts/publish.py check    # claims.json and the docs tables agree with the logs

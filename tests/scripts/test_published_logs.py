@@ -271,3 +271,14 @@ def test_a_full_rerun_meets_its_claim_on_this_machine(rel, tmp_path):
     assert claim_line.startswith("claim met"), claim_line
     if result.returncode == 0:
         assert "reproduced:" in out
+
+
+def test_the_minilm_weights_quote_the_squad_recipe_over_its_seeds():
+    import modelzoo  # noqa: PLC0415 (only here)
+
+    weights = modelzoo.get_weights("minilm_l6_h384")
+    entry = CLAIMS["squad_minilm"]
+    assert weights.recipe["log"] in entry["logs"]
+    assert weights.metrics["stdlib_squad_f1"] == pytest.approx(entry["mean"], abs=0.005)
+    em = [_records(ROOT / p)[-1]["exact_match"] for p in entry["logs"]]
+    assert weights.metrics["stdlib_squad_em"] == pytest.approx(np.mean(em), abs=0.005)
