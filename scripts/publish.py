@@ -44,6 +44,7 @@ from filelock import FileLock
 
 from trainers.checkpoint import atomic_write_text
 from trainers.claims import ClaimsError, load_claims, make_recipe, write_claims
+from trainers.cli import split_command
 from trainers.logs import ISA_PIN_VARIABLES, PORTABLE_CPU_PINS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -286,11 +287,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, command = argv[:cut], argv[cut + 1 :]
+    argv, command = split_command(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description="Publish recipes over seeds and their claims.")
     p.add_argument("--claims", default=str(CLAIMS), help="the claims file")
     sub = p.add_subparsers(dest="action", required=True)

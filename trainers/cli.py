@@ -43,11 +43,22 @@ __all__ = [
     "optimizer_config",
     "run_configs",
     "schedule_config",
+    "split_command",
 ]
 
 
 # --dtype (GluonCV's spelling) -> TrainerConfig.precision
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``[own flags..., "--", command...]`` -> ``(own flags, command)`` (no ``--``: no command);
+    for tools that run another script (``publish.py``, ``trainers.elastic_drill``)."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
 
 
 # ---- the parser every script uses ---------------------------------------------------------------

@@ -43,6 +43,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from .cli import split_command
 from .elastic import LEDGER_DIR, serve_store
 
 __all__ = ["DrillError", "ledger_steps", "main", "run_drill"]
@@ -245,11 +246,7 @@ def run_drill(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, command = argv[:cut], argv[cut + 1 :]
+    argv, command = split_command(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(
         prog="python -m trainers.elastic_drill",
         description="Run an elastic job on N local nodes, kill one mid-run, add one later.",

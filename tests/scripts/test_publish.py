@@ -73,6 +73,17 @@ def test_seed_command_sets_seed_and_log_and_refuses_them_in_the_command():
     for bad in (["scripts/t.py", "--seed", "1"], ["scripts/t.py", "--run-log=x"], []):
         with pytest.raises(SystemExit):
             publish.seed_command(bad, 0, Path("x"), nproc=1)
+    # an elastic recipe runs under the fault drill (3 nodes, kill at 30, join at 70)
+    drill = publish.parse_drill("3:30:70")
+    cmd = publish.seed_command(["scripts/t.py"], 1, Path("x.jsonl"), nproc=1, python="py",
+                               drill=drill, threads=1)  # fmt: skip
+    assert cmd == [
+        "py", "-m", "trainers.elastic_drill", "--nodes", "3", "--kill-at-step", "30",
+        "--join-at-step", "70", "--threads", "1", "--", "scripts/t.py", "--seed", "1",
+        "--run-log", "x.jsonl",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit, match="NODES:KILL_STEP:JOIN_STEP"):
+        publish.parse_drill("3:30")
 
 
 FAKE = """
