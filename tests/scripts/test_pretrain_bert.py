@@ -235,15 +235,17 @@ def _samples(config: dict) -> int:
     return sum(_global_batch(config, n) * config[f"phase{n}_steps"] for n in (1, 2))
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize(
     "name, ratio", [("bert_pretrain_lans_b256", 16), ("bert_pretrain_lans_b128", 8)]
 )
-def test_published_large_batch_runs_compare_with_adam_at_equal_samples(name, ratio):
-    """The set-up of the comparison in docs/pretraining.md: the same model, data and number
-    of samples, a global batch ``ratio`` times Adam's, accuracy measured from step 0. (The
-    outcome, LANS below Adam at this tiny budget, is stated in the docs, not asserted.)"""
-    adam = _records(ROOT / "logs" / "bert_pretrain_adam_b16.jsonl")
-    lans = _records(ROOT / "logs" / f"{name}.jsonl")
+def test_published_large_batch_runs_compare_with_adam_at_equal_samples(name, ratio, seed):
+    """The set-up of the comparison in docs/pretraining.md, seed by seed: the same model, data,
+    seed and number of samples, a global batch ``ratio`` times Adam's, accuracy measured from
+    step 0. (The outcome, LANS below Adam at this tiny budget, is stated in the docs from the
+    seed statistics in logs/claims.json, not asserted.)"""
+    adam = _records(ROOT / "logs" / "bert_pretrain_adam_b16" / f"seed{seed}.jsonl")
+    lans = _records(ROOT / "logs" / name / f"seed{seed}.jsonl")
     assert adam[0]["config"]["optimizer"] == "adamw" and lans[0]["config"]["optimizer"] == "lans"
     assert _global_batch(lans[0]["config"], 1) == ratio * _global_batch(adam[0]["config"], 1)
     assert _samples(lans[0]["config"]) == _samples(adam[0]["config"])
@@ -252,6 +254,7 @@ def test_published_large_batch_runs_compare_with_adam_at_equal_samples(name, rat
     adam_evals = [r for r in adam if r["kind"] == "eval"]
     lans_evals = [r for r in lans if r["kind"] == "eval"]
     assert adam_evals[0]["step"] == lans_evals[0]["step"] == 0
-    # masked-LM accuracy well above its start (a random model: about 1 / 30,522)
+    # masked-LM accuracy well above its start (a random model: about 1 / 30,522, often exactly
+    # 0 on the held-out masked positions): at least 1,000 times chance at the end
     for evals in (adam_evals, lans_evals):
-        assert evals[-1]["mlm_accuracy"] >= 50 * evals[0]["mlm_accuracy"]
+        assert evals[0]["mlm_accuracy"] < 0.001 and evals[-1]["mlm_accuracy"] > 0.033
