@@ -141,8 +141,10 @@ def _parse_line(text: str, rows: _Rows, where: str, offset: int, limit: int | No
     rows.indptr.append(len(rows.indices))
 
 
-def _to_batch(rows: _Rows, n_features: int, dtype: torch.dtype, path: Path) -> SvmlightBatch:
-    indices = torch.tensor(rows.indices, dtype=torch.int64)
+def _tensors(
+    rows: _Rows, indices: torch.Tensor, n_features: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The rows' CSR features (with these column ``indices``), labels and qids."""
     X = _csr(
         torch.tensor(rows.indptr, dtype=torch.int64),
         indices,
@@ -150,7 +152,12 @@ def _to_batch(rows: _Rows, n_features: int, dtype: torch.dtype, path: Path) -> S
         (len(rows), n_features),
     )
     qid = torch.tensor(rows.qids, dtype=torch.int64) if rows.has_qid else None
-    return SvmlightBatch(X, torch.tensor(rows.labels, dtype=dtype), qid, rows.first_line)
+    return X, torch.tensor(rows.labels, dtype=dtype), qid
+
+
+def _to_batch(rows: _Rows, n_features: int, dtype: torch.dtype, path: Path) -> SvmlightBatch:
+    indices = torch.tensor(rows.indices, dtype=torch.int64)
+    return SvmlightBatch(*_tensors(rows, indices, n_features, dtype), rows.first_line)
 
 
 def _csr(
@@ -252,11 +259,4 @@ def load_svmlight(
         raise SvmlightFormatError(
             f"{path}: the largest feature index needs {width} columns, n_features={n_features}"
         )
-    X = _csr(
-        torch.tensor(rows.indptr, dtype=torch.int64),
-        indices,
-        torch.tensor(rows.values, dtype=dtype),
-        (len(rows), n_features),
-    )
-    qid = torch.tensor(rows.qids, dtype=torch.int64) if rows.has_qid else None
-    return SvmlightData(X, torch.tensor(rows.labels, dtype=dtype), qid)
+    return SvmlightData(*_tensors(rows, indices, n_features, dtype))
