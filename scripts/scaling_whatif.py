@@ -138,8 +138,8 @@ def needed_ratio(w: Workload, workers: int, gbps: float, latency: float, target:
 #   coded (CodedReduce, s <= its tolerance: the     T_c + T_m (fast), s T_c + T_m (straggler)
 #     straggler's message is not waited for)
 #
-# For coded, ``T_m`` is ``depth`` messages up the tree plus the root's ``n - 1`` messages of
-# the update down (point to point): ``(depth + n - 1) S / B`` plus latencies.
+# For coded on its default one-level tree, ``T_m`` is the root's link: the children's
+# messages up and its ``n - 1`` messages of the update down, about ``2 (n - 1) S / B``.
 #
 # A blocking all-reduce or a lockstep gossip round makes every rank wait for the slowest,
 # after at most log2(n) rounds for gossip; only the asynchronous method lets the fast ranks
@@ -198,8 +198,7 @@ def method_table(w: Workload, workers: Sequence[int], gbps: float, latency: floa
         ring = comm_time(w, n, gbps, latency, ratio=1.0)
         cells = []
         for m in METHODS:
-            depth = math.ceil(math.log2(n)) if n > 1 else 0  # a binary tree
-            coded = (depth + n - 1) * one
+            coded = 2 * (n - 1) * one  # the default one-level tree: the root's link
             comm = {"average": ring, "pipesgd": ring, "adpsgd-async": 2 * one, "coded": coded}.get(m, one)  # fmt: skip
             o = w.overlap if m == "average" else 0.0
             base = method_step_time(m, w.compute_time, comm, overlap=o)[0]
