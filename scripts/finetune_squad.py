@@ -507,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         num_workers=args.num_workers,
         seed=args.seed,
         progress=not args.no_progress,
+        inject_straggler=args.inject_straggler,
     )
     trainer = Trainer(
         model, optimizer, config, env=env, logger=logger, lr_schedule=schedule,

@@ -490,6 +490,7 @@ def run_phase(
         num_workers=args.num_workers,
         seed=args.seed,
         progress=not args.no_progress,
+        inject_straggler=args.inject_straggler,
     )
     tracker = EvalTracker()
     trainer = Trainer(

@@ -335,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         drop_last=False,
         progress=not args.no_progress,
+        inject_straggler=args.inject_straggler,
     )
     stopper = EarlyStopping(
         model,

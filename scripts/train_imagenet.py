@@ -320,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         channels_last=args.channels_last,
         progress=not args.no_progress,
+        inject_straggler=args.inject_straggler,
     )
     if not resuming:
         logger.write(

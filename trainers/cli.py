@@ -371,6 +371,20 @@ def _flag_help(entry: _CombinerFlag) -> str:
     return "; ".join(f"{' / '.join(modes)}: {text}" for text, modes in parts.items())
 
 
+def straggler_arg(text: str) -> tuple[int, float]:
+    """``RANK:FACTOR`` of ``--inject-straggler`` (argparse type)."""
+    rank, sep, factor = text.partition(":")
+    try:
+        parsed = (int(rank), float(factor))
+    except ValueError:
+        parsed = None
+    if not sep or parsed is None or parsed[0] < 0 or not parsed[1] >= 1:
+        raise argparse.ArgumentTypeError(
+            f"expected RANK:FACTOR with a rank >= 0 and a factor >= 1 (e.g. 1:2), got {text!r}"
+        )
+    return parsed
+
+
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     """``--grad-combine`` (the registered modes) and every mode's options as flags.
 
@@ -385,6 +399,15 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         choices=list_combiners(),
         help="how workers combine their work: "
         + ", ".join(f"{m} ({combiner_class(m).summary})" for m in list_combiners()),
+    )
+    g.add_argument(
+        "--inject-straggler",
+        type=straggler_arg,
+        default=None,
+        metavar="RANK:FACTOR",
+        help="make rank RANK a straggler: it sleeps FACTOR - 1 times its own forward + "
+        "backward time after each micro-step (e.g. 1:2 slows rank 1 twice; for straggler "
+        "experiments, docs/communication.md)",
     )
     for entry in combiner_flags().values():
         if entry.kind is bool:

@@ -198,6 +198,9 @@ class TrainerConfig:
             rank at least one sample, and its micro-batches weigh as much as full ones.
         shuffle: shuffle the training data each epoch.
         progress: show a tqdm bar on rank 0 when stderr is a terminal.
+        inject_straggler: ``(rank, factor)``: that rank sleeps ``factor - 1`` times its own
+            forward + backward time after each micro-step, a reproducible slow worker for
+            straggler experiments (``--inject-straggler RANK:FACTOR``; ``None``: none).
     """
 
     epochs: int = 1
@@ -219,8 +222,15 @@ class TrainerConfig:
     drop_last: bool = True
     shuffle: bool = True
     progress: bool = True
+    inject_straggler: tuple[int, float] | None = None
 
     def __post_init__(self) -> None:
+        if self.inject_straggler is not None:
+            rank, factor = self.inject_straggler
+            if rank < 0 or factor < 1:
+                raise ValueError(
+                    f"inject_straggler needs a rank >= 0 and a factor >= 1, got {rank}:{factor}"
+                )
         if self.precision not in _PRECISIONS:
             raise ValueError(
                 f"precision must be one of {', '.join(_PRECISIONS)}, got {self.precision!r}"

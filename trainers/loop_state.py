@@ -32,6 +32,12 @@ class Meter:
             value = value.detach().double() if isinstance(value, torch.Tensor) else float(value)
             self.sums[name] = self.sums.get(name, 0.0) + value
 
+    def touch(self, names: Sequence[str]) -> None:
+        """Make sure ``names`` are summed (as 0) without counting a micro-batch: a rank that
+        skipped a step still offers the same vector to :meth:`reduce`."""
+        for name in names:
+            self.sums.setdefault(name, 0.0)
+
     def reduce(
         self, env: DistEnv, keys: Sequence[str] | None = None
     ) -> tuple[float, dict[str, float]]:

@@ -149,6 +149,9 @@ class Trainer:
         self.epoch_step = 0  # optimizer steps done in this epoch
         self._interval = _Meter()
         self._epoch_meter = _Meter()
+        self._metric_names: list[str] = []  # train_step's metric names (for skipped steps)
+        slow = config.inject_straggler
+        self._slow_factor = slow[1] - 1.0 if slow is not None and slow[0] == self.env.rank else 0.0
         self._epoch_seconds = 0.0  # training time of this epoch before a resume
         self._epoch_clock: tuple[float, float] | None = None  # (start, paused) while training
         self.last_eval: dict[str, float] = {}
@@ -201,19 +204,29 @@ class Trainer:
                 enabled=cfg.progress and env.is_main,
             )
             finished_epoch = True
+            skip = False
             for j, batch in enumerate(bar):
                 # ---- one micro-step: forward + backward, no gradient sync unless last -------
                 if j % cfg.grad_accum_steps == 0:  # the last step of an epoch may be shorter
                     group = min(cfg.grad_accum_steps, len(micro_sizes) - j)
+                    skip = self.combiner.skips_step()  # a late rank the step does not need
                 last_micro = j % cfg.grad_accum_steps == group - 1
-                batch = self._to_device(batch)
-                sync = contextlib.nullcontext() if last_micro else self.combiner.no_sync()
-                with sync:
-                    with self._autocast():
-                        loss, metrics = self.train_step(self.forward_model, batch)
-                    self._backward(loss if group == 1 else loss / group)
-                self._interval.update(metrics, loss)
-                self._epoch_meter.update(metrics, loss)
+                if skip:
+                    self._interval.touch(self._metric_names)
+                    self._epoch_meter.touch(self._metric_names)
+                else:
+                    started = time.perf_counter()
+                    batch = self._to_device(batch)
+                    sync = contextlib.nullcontext() if last_micro else self.combiner.no_sync()
+                    with sync:
+                        with self._autocast():
+                            loss, metrics = self.train_step(self.forward_model, batch)
+                        self._backward(loss if group == 1 else loss / group)
+                    if self._slow_factor:  # --inject-straggler: this rank computes slower
+                        time.sleep(self._slow_factor * (time.perf_counter() - started))
+                    self._metric_names = list(metrics)
+                    self._interval.update(metrics, loss)
+                    self._epoch_meter.update(metrics, loss)
                 step_samples += micro_sizes[j]
                 if not last_micro:
                     continue

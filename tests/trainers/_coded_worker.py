@@ -1,9 +1,12 @@
 """One rank of test_coded.py (torchrun's variables set): CodedReduce through the Trainer.
 
 ``python -m tests.trainers._coded_worker OUTDIR BRANCHING STRAGGLERS``: a float64 toy run of
-6 steps with a recording subclass (each step's local gradient and the applied mean) and, per
-step, one injected slow rank (a sleep before its forward); with STRAGGLERS 0 also the same run
-under DDP averaging. Each rank saves ``OUTDIR/rank{r}.pt``.
+6 steps with a recording subclass (each step's local gradient, ``None`` where the rank skipped
+the step, and the applied mean) and, per step, one injected slow rank (a sleep before its
+forward); with STRAGGLERS 0 also the same run under DDP averaging. With a fourth argument
+``persistent``: 12 steps of 50 ms of "compute" each, rank 2 slowed 2x at every step by
+``--inject-straggler 2:2``, and the same run without the straggler. Each rank saves
+``OUTDIR/rank{r}.pt``.
 """
 
 from __future__ import annotations
@@ -35,24 +38,34 @@ class Recording(CodedReduceCombiner):
         self.applied: list[torch.Tensor] = []
 
     def reduce_gradients(self, scaler) -> None:
-        self.local.append(flat_grads(self._params(), torch.float64))
+        self.local.append(None if self._skip else flat_grads(self._params(), torch.float64))
         super().reduce_gradients(scaler)
         self.applied.append(flat_grads(self._params(), torch.float64))
 
 
-def run(env: DistEnv, combiner, slow: list) -> Trainer:
+def run(
+    env: DistEnv,
+    combiner,
+    slow: list,
+    *,
+    compute: float = 0.0,
+    straggler=None,
+    steps: int = STEPS,
+    log_interval: int = 1,
+) -> Trainer:
     model = make_mlp(seed=0).double()
 
     def step(m, batch):
         if slow[trainer.global_step] == env.rank:
             time.sleep(DELAY)
+        time.sleep(compute)
         x, y = batch
-        return F.cross_entropy(m(x.double()), y), {}
+        return F.cross_entropy(m(x.double()), y), {"acc": torch.tensor(1.0)}
 
     trainer = Trainer(
         model, torch.optim.SGD(model.parameters(), lr=lr_fn(0), momentum=0.9),
-        TrainerConfig(epochs=1, max_steps=STEPS, batch_size=BATCH, seed=SEED, log_interval=0,
-                      progress=False),
+        TrainerConfig(epochs=1, max_steps=steps, batch_size=BATCH, seed=SEED, log_interval=log_interval,
+                      progress=False, inject_straggler=straggler),
         env=env, logger=RunLogger(None, enabled=False), lr_schedule=lr_fn, train_step=step,
         combiner=combiner,
     )  # fmt: skip
@@ -60,9 +73,25 @@ def run(env: DistEnv, combiner, slow: list) -> Trainer:
     return trainer
 
 
-def main(out: Path, branching: int, stragglers: int) -> None:
+def persistent(out: Path, env: DistEnv) -> None:
+    steps = 12
+    coded = Recording(stragglers=1)
+    slowed = run(
+        env, coded, [None] * steps, compute=0.05, straggler=(2, 2.0), steps=steps, log_interval=0
+    )  # step records are collectives: every rank would wait
+    reference = run(env, CodedReduceCombiner(stragglers=1), [None] * steps, steps=steps)
+    torch.save({
+        "skipped": coded.skipped, "local": coded.local, "waited": coded.waited,
+        "params": [p.detach().clone() for p in slowed.model.parameters()],
+        "reference": [p.detach().clone() for p in reference.model.parameters()],
+    }, out / f"rank{env.rank}.pt")  # fmt: skip
+
+
+def main(out: Path, branching: int, stragglers: int, mode: str = "") -> None:
     torch.set_num_threads(1)
     with DistEnv.from_env(device="cpu") as env:
+        if mode == "persistent":
+            return persistent(out, env)
         slow = SLOW[env.world_size] if stragglers else [None] * STEPS
         coded = Recording(branching=branching, stragglers=stragglers)
         trainer = run(env, coded, slow)
@@ -78,4 +107,4 @@ def main(out: Path, branching: int, stragglers: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])

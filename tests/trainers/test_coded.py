@@ -3,7 +3,9 @@
 Oracles: the mean of the step's distinct data parts computed here from every rank's recorded
 local gradient (float64) for a straggler at every position of a 7-rank, 2-level tree; the
 ranks that share data computing bit-identical gradients; the root not waiting for a slow
-child; with no tolerance (s = 0) the whole run equal to DDP's averaging.
+child; a rank slowed 2x at every step skipping the steps decided without it while the model
+stays bit for bit that of the run without it; with no tolerance (s = 0) the whole run equal to
+DDP's averaging.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from trainers.comm.coded import CodedTree
 pytestmark = pytest.mark.dist
 
 
-def _launch(tmp_path_factory, world: int, branching: int, stragglers: int) -> list[dict]:
+def _launch(tmp_path_factory, world: int, branching: int, stragglers: int, *more) -> list[dict]:
     out = tmp_path_factory.mktemp(f"coded{world}")
-    run_ranks("tests.trainers._coded_worker", [str(out), str(branching), str(stragglers)],
+    run_ranks("tests.trainers._coded_worker", [str(out), str(branching), str(stragglers), *more],
               world=world, timeout=300)  # fmt: skip
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
@@ -34,6 +36,11 @@ def tree7(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tree3_exact(tmp_path_factory):
     return _launch(tmp_path_factory, 3, 2, 0)
+
+
+@pytest.fixture(scope="module")
+def persistent3(tmp_path_factory):
+    return _launch(tmp_path_factory, 3, 2, 1, "persistent")
 
 
 def test_the_tree_and_its_data_parts():
@@ -58,10 +65,13 @@ def test_every_step_applies_the_mean_of_the_distinct_parts(tree7):
         first = {}
         for rank, r in enumerate(tree7):
             part = r["part"][0]
+            if r["local"][t] is None:  # skipped: the step was decided before it got there
+                continue
             if part in first:  # the premise of fractional repetition: equal bit for bit
                 assert torch.equal(r["local"][t], tree7[first[part]]["local"][t]), (t, rank)
             else:
                 first[part] = rank
+        assert sorted(first) == [0, 1, 2], (t, first)  # every part computed by someone
         mean = sum(tree7[rank]["local"][t] for rank in first.values()) / 3
         for r in tree7:
             torch.testing.assert_close(r["applied"][t], mean, rtol=0, atol=1e-12)
@@ -77,6 +87,20 @@ def test_a_slow_child_is_not_waited_for(tree7):
     # and the run ends with the same model everywhere
     for r in tree7[1:]:
         for a, b in zip(r["params"], root["params"], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_a_persistent_straggler_catches_up_by_skipping_decided_steps(persistent3):
+    root, fast, slow = persistent3
+    # rank 2 is twice as slow at every step: it finds about every other step already decided
+    # by the root (which took part 1 from rank 1) and skips it; the others never skip
+    assert root["skipped"] == 0 and fast["skipped"] == 0
+    assert 3 <= slow["skipped"] <= 9, slow["skipped"]
+    assert sum(t is None for t in slow["local"]) == slow["skipped"]
+    # the straggler changes who computes, not what is applied: bit for bit the same model
+    # on every rank as the same run without it
+    for r in persistent3:
+        for a, b in zip(r["params"], root["reference"], strict=True):
             assert torch.equal(a, b)
 
 

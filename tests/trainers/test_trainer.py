@@ -407,3 +407,79 @@ def test_final_metrics_join_the_end_record_and_evaluate_can_remember(tmp_path):
     assert metrics["loss"] != before["loss"] and trainer.last_eval == before  # not remembered
     trainer.evaluate(ToyDataset(12, seed=9), remember=True)
     assert trainer.last_eval == metrics
+
+
+class _SkipOdd(GradCombiner):
+    """Skips every odd step (as a late CodedReduce rank does) and records what it was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps, self.grads_seen = 0, []
+
+    def skips_step(self):
+        return self.steps % 2 == 1
+
+    def reduce_gradients(self, scaler):
+        self.grads_seen.append(all(p.grad is not None for p in self.model.parameters()))
+
+    def step(self, optimizer, scaler):
+        super().step(optimizer, scaler)
+        self.steps += 1
+
+
+def test_a_skipped_step_draws_its_batches_but_computes_nothing(tmp_path):
+    seen = []
+
+    def recording_step(model, batch):
+        seen.append(batch[0].clone())
+        return train_step(model, batch)
+
+    cfg = TrainerConfig(epochs=1, batch_size=4, grad_accum_steps=2, log_interval=1)
+    combiner = _SkipOdd()
+    trainer = make_trainer(make_mlp(), cfg, combiner=combiner,
+                           logger=RunLogger(tmp_path / "l.jsonl", console=False))  # fmt: skip
+    trainer.train_step = recording_step
+    trainer.fit(ToyDataset(32))
+    assert combiner.grads_seen == [True, False, True, False]  # reduce is called every step
+    # the computed micro-batches are those a plain run draws at steps 0 and 2: the skipped
+    # steps' batches were drawn, not shifted onto the next step
+    everything = []
+    plain = make_trainer(make_mlp(), cfg)
+
+    def plain_step(model, batch):
+        everything.append(batch[0].clone())
+        return train_step(model, batch)
+
+    plain.train_step = plain_step
+    plain.fit(ToyDataset(32))
+    assert len(everything) == 8 and len(seen) == 4
+    for got, want in zip(seen, everything[0:2] + everything[4:6], strict=True):
+        assert torch.equal(got, want)
+    # an interval holding only a skipped step still gets its record, with no loss or metrics
+    steps = [r for r in _records(tmp_path / "l.jsonl") if r["kind"] == "step"]
+    assert [r["loss"] is None for r in steps] == [False, True, False, True]
+    assert [r["accuracy"] is None for r in steps] == [False, True, False, True]
+
+
+def test_an_injected_straggler_sleeps_its_factor():
+    import time as _time
+
+    def slow_step(model, batch):
+        _time.sleep(0.05)
+        return train_step(model, batch)
+
+    cfg = TrainerConfig(epochs=1, batch_size=8, max_steps=3, inject_straggler=(0, 3.0),
+                        log_interval=0)  # fmt: skip
+    trainer = make_trainer(make_mlp(), cfg)
+    trainer.train_step = slow_step
+    start = _time.perf_counter()
+    trainer.fit(ToyDataset(32))
+    assert _time.perf_counter() - start >= 3 * 0.05 * 3  # 3 steps, each slept 3x its compute
+    with pytest.raises(ValueError, match="inject_straggler needs a rank >= 0 and a factor >= 1"):
+        TrainerConfig(inject_straggler=(0, 0.5))
+    from trainers.cli import straggler_arg
+
+    assert straggler_arg("2:2") == (2, 2.0)
+    for bad in ("2", "a:2", "1:0.5", "-1:2"):
+        with pytest.raises(Exception, match="expected RANK:FACTOR"):
+            straggler_arg(bad)

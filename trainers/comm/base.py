@@ -4,7 +4,8 @@ The trainer's loop never talks to ``DistributedDataParallel`` or to any collecti
 it calls a :class:`GradCombiner` at fixed points of every optimizer step::
 
     model_fwd = combiner.prepare(model, optimizer, env)   # once: wrap (DDP) or keep the module
-    for each micro-batch of the step:
+    skip = combiner.skips_step()                    # True: the update is decided without us
+    for each micro-batch of the step (none computed when skip):
         with combiner.no_sync() if not last else nullcontext():
             loss = train_step(model_fwd, batch); backward(loss / n)
     combiner.reduce_gradients(scaler)               # grads still carry the fp16 loss scale
@@ -193,6 +194,13 @@ class GradCombiner:
         CodedReduce gives several ranks the same shard."""
         env = self.env
         return (env.rank, env.world_size) if env is not None else (0, 1)
+
+    def skips_step(self) -> bool:
+        """Before an optimizer step's first forward: ``True`` when this rank's gradient cannot
+        matter any more (CodedReduce: a late rank whose step the root has already decided), so
+        the trainer skips the step's forward and backward (the batches are still drawn) and
+        calls :meth:`reduce_gradients` with no gradients. Default: never."""
+        return False
 
     def checkpoint_model(self) -> dict[str, Any] | None:
         """Before a checkpoint (a collective, every rank): the model state its ``model`` entry

@@ -26,10 +26,18 @@ special case of theirs whose details we could pin down without the paper:
 With ``s = 0`` every part is distinct (``P = n``) and it is a tree reduce equal to the
 all-reduce average. Metric logging (``--log-interval``) and evaluation are collectives: at those
 steps every rank waits for the slowest (log less often to keep stragglers off the critical
-path). A rank delayed once stays that far behind (nobody waits for it to catch up), so a
-later delay of its group-mate is waited for; a rank slow at every step falls further behind
-and the job ends when it does. The scheme takes transient stragglers off the others' step
-time; it does not make a persistently slow rank faster.
+path).
+
+**Catching up.** After sending step ``t``'s update the root records ``t + 1`` steps decided in
+the job's rendezvous store. Before each step a non-root rank reads that count: if its step is
+already decided, its gradient cannot matter, so it skips the step's forward and backward
+(:meth:`~trainers.comm.base.GradCombiner.skips_step`; the batches are still drawn), sends its
+parent a message of zeros (which is discarded like every late message: the root took this
+step's parts from faster members), and applies the received update like every rank. A rank
+slowed once thus catches up, and a rank slowed at every step (``--inject-straggler 2:2``)
+computes about every other step while the others keep their pace. Without the store (a
+process group not made by ``init_process_group``) late ranks compute every step and stay
+behind.
 """
 
 from __future__ import annotations
@@ -52,8 +60,24 @@ _SLOTS = 1024  # tag = step * _SLOTS + slot: slot 0 the update down, 1 + g group
 _MAX_LAG = 8  # a message more than this many steps overdue is waited for (bounded memory)
 
 
+_DECIDED = "modelzoo/coded/decided"  # store key: steps whose update the root has sent
+
+
 def _tag(step: int, slot: int) -> int:
     return step * _SLOTS + slot
+
+
+def _default_store() -> Any:
+    """The default process group's rendezvous store (``None`` if there is none).
+
+    torch has no public accessor; ``_get_default_store`` has been there since 1.x. Without it
+    late ranks only lose the catching up (module docstring).
+    """
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return getter() if getter is not None else None
+    except (RuntimeError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -155,6 +179,9 @@ class CodedReduceCombiner(GradCombiner):
         self.late: list[tuple[int, Any, Tensor]] = []
         self.outgoing: list[tuple[int, Any, Tensor]] = []
         self.waited: list[float] = []  # seconds this rank waited for its children, per step
+        self.skipped = 0  # steps this rank did not compute (already decided when it got there)
+        self._skip = False
+        self._store: Any = None
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
@@ -164,8 +191,20 @@ class CodedReduceCombiner(GradCombiner):
         self.tree = CodedTree(env.world_size, branching, self.options.stragglers)
         self.counter.set_model(model)
         if env.distributed:
+            self._store = _default_store()
+            if env.rank == 0 and self._store is not None:  # before the broadcast: others read it
+                self._store.set(_DECIDED, "0")  # a store reused from an earlier run starts over
             broadcast_(model_tensors(model))
         return model
+
+    def skips_step(self) -> bool:
+        """Whether the root has already decided this step (module docstring)."""
+        env, store = self.env, self._store
+        self._skip = False
+        if env is not None and env.distributed and env.rank != 0 and store is not None:
+            self._skip = int(store.get(_DECIDED)) > self.steps
+        self.skipped += self._skip
+        return self._skip
 
     def data_shard(self) -> tuple[int, int]:
         assert self.tree is not None and self.env is not None
@@ -194,7 +233,13 @@ class CodedReduceCombiner(GradCombiner):
             total = grad.clone()
             start = time.perf_counter()
             for g, group in enumerate(tree.groups[rank]):
-                total += self._first_of(group, grad, _tag(self.steps, 1 + g))
+                tag = _tag(self.steps, 1 + g)
+                if self._skip:  # decided: the children's messages are all late; drain them
+                    for member in group:
+                        late = torch.empty_like(grad)
+                        self.late.append((self.steps, dist.irecv(late, member, tag=tag), late))
+                else:
+                    total += self._first_of(group, grad, tag)
             self.waited.append(time.perf_counter() - start)
             self._bound_lag()
             buffers = self._buffers()
@@ -214,6 +259,8 @@ class CodedReduceCombiner(GradCombiner):
                 for r in range(1, env.world_size):
                     self.outgoing.append((self.steps, dist.isend(message, r, tag=down), message))
                 self.counter.add((env.world_size - 1) * message.element_size() * message.numel())
+                if self._store is not None:
+                    self._store.set(_DECIDED, str(self.steps + 1))
             mean = message[: grad.numel()]
             if rank != 0 and buffers:
                 unflatten_(buffers, message[grad.numel() :])
