@@ -169,6 +169,13 @@ class CodedReduceCombiner(GradCombiner):
 
     summary = "tree reduction that waits for the fastest s+1-th of each group (CodedReduce)"
 
+    @classmethod
+    def is_deterministic(cls, options: CodedOptions) -> bool:
+        """With ``s >= 1`` timing decides which members compute a step (a late rank skips
+        it), so the logged training loss and metrics, means over the computed micro-batches,
+        vary between runs; the applied model does not (tests/trainers/test_coded.py)."""
+        return options.stragglers == 0
+
     def __init__(self, options: CodedOptions | None = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)
         self.tree: CodedTree | None = None
