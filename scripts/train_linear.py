@@ -22,6 +22,14 @@ statistically adjusted objective of :mod:`trainers.linear.lbfgs`. The run log
 (``--run-log``) has a ``step`` record per iteration or mini-batch round, an ``epoch`` and an
 ``eval`` record per epoch (L-BFGS: per arriving batch) and an ``end`` record with the final
 test metrics; ``scripts/reproduce.py`` reruns it.
+
+Elastic (``--elastic-dir DIR``, docs/linear.md "Elastic"): the solver state is saved to
+``DIR/state.pt`` every ``--elastic-checkpoint-steps`` steps and at the end of every epoch or
+arriving batch; when ``torchrun --nnodes MIN:MAX`` / ``--max-restarts`` restarts the workers
+with any world size, they continue from it and the run log carries on without duplicates:
+
+    torchrun --nnodes 1:4 --nproc-per-node 2 --max-restarts 3 scripts/train_linear.py \
+        --solver casgd --s-steps 4 --elastic-dir /shared/job --run-log /shared/job/run.jsonl
 """
 
 from __future__ import annotations
@@ -46,14 +54,18 @@ from modelzoo.linear import (
 )
 from modelzoo.linear.svmlight import SvmlightFormatError
 from trainers import DistEnv, RunLogger, make_header
-from trainers.cli import ArgumentParser
+from trainers.checkpoint import CheckpointError
+from trainers.cli import ArgumentParser, add_elastic_args, elastic_config
 from trainers.linear import (
+    ElasticStateMismatch,
     FeaturePartitionedSGD,
     LBFGSConfig,
+    LinearElastic,
     Messenger,
     StatisticallyAdjustedLBFGS,
     column_blocks,
     epoch_batches,
+    gather_rows,
 )
 
 DATASETS = ("breast_cancer", "digits", "wine", "diabetes", "synthetic", "svmlight")
@@ -109,6 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="mini-batch order, and the split unless --data-seed is given")  # fmt: skip
     o.add_argument("--run-log", type=str, default=None, help="JSON Lines run log")
     o.add_argument("--no-progress", action="store_true", help="accepted; no progress bar here")
+    add_elastic_args(p)
     args = p.parse_args(argv)
     if args.data_seed is None:  # a seed is a different split: what seeds vary for L-BFGS
         args.data_seed = args.seed
@@ -134,7 +147,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--sa-batches is an L-BFGS option; use --solver lbfgs")
     if args.lr is None:
         args.lr = 1.0 if args.solver == "lbfgs" else 0.1
+    if args.elastic_lr_scaling == "linear":
+        p.error("--elastic-lr-scaling linear: train_linear's step never depends on the world "
+                "size (L-BFGS uses every row, the SGD/CA-SGD mini-batch is global); use auto "
+                "or none")  # fmt: skip
+    if args.elastic_checkpoint_steps < 1:
+        p.error(f"--elastic-checkpoint-steps must be at least 1, got "
+                f"{args.elastic_checkpoint_steps}")  # fmt: skip
     return args
+
+
+# Flags that fix the trajectory: a saved elastic state with other values is refused.
+_IDENTITY_FLAGS = ("solver", "dataset", "data_file", "n_features", "zero_based", "test_fraction",
+                   "synthetic_samples", "synthetic_features", "nnz_per_row", "synthetic_task",
+                   "synthetic_columns", "data_seed", "wd", "lr", "precision")  # fmt: skip
+_SOLVER_FLAGS = {
+    "lbfgs": ("history_size", "iterations", "no_line_search", "sa_batches", "sa_decay"),
+    "sgd": ("batch_size", "seed"),
+    "casgd": ("batch_size", "seed", "s"),
+}
+
+
+def elastic_identity(args: argparse.Namespace, data: dict[str, Any], loss: str) -> dict[str, Any]:
+    """What a resumed job must share with the saved one: the flags that fix the trajectory
+    (not ``--num-epochs``/``--max-steps``, which only say where it ends) and the data's shape."""
+    flags = _IDENTITY_FLAGS + _SOLVER_FLAGS[args.solver]
+    n, d = data["X_train"].shape
+    return {**{f: getattr(args, f) for f in flags}, "loss": loss, "train_rows": int(n),
+            "features": int(d), "num_classes": int(data["num_classes"])}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------- data
@@ -199,8 +239,14 @@ def train_lbfgs(
     data: dict[str, Any],
     loss: str,
     dtype: torch.dtype,
+    elastic: LinearElastic | None = None,
+    resume: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Data-parallel (statistically adjusted) L-BFGS; the ``end`` record's metrics."""
+    """Data-parallel (statistically adjusted) L-BFGS; the ``end`` record's metrics.
+
+    With ``elastic``: saves every ``checkpoint_steps`` iterations and after each arriving
+    batch; ``resume`` (a saved state, any world size) continues where it was saved.
+    """
     X, y = data["X_train"], data["y_train"]
     n = X.shape[0]
     model = build_linear_model(loss, X.shape[1], max(data["num_classes"], 2), dtype=dtype)
@@ -212,26 +258,56 @@ def train_lbfgs(
     budget = args.max_steps if args.max_steps is not None else math.inf
     step, start = 0, time.perf_counter()
     arrivals = torch.linspace(0, n, args.sa_batches + 1).round().long().tolist()
-    epochs = 0
-    for k in range(args.sa_batches):
-        if step >= budget:
+
+    def shard(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the k-th arriving batch."""
+        lo, hi = arrivals[k], arrivals[k + 1]
+        bounds = torch.linspace(lo, hi, env.world_size + 1).round().long().tolist()
+        a, b = bounds[env.rank], bounds[env.rank + 1]
+        return row_slice(X, a, b), y[a:b]
+
+    def save(batch: int, iteration: int, in_batch: bool) -> None:
+        assert elastic is not None
+        elastic.save({"solver": sa.state_dict(), "batch": batch, "iteration": iteration,
+                      "in_batch": in_batch, "epochs": epochs, "loss_value": loss_value,
+                      "messages": messenger.messages, "bytes": messenger.bytes}, step=step)  # fmt: skip
+
+    epochs, first_batch, first_iteration, in_batch = 0, 0, 0, False
+    loss_value = math.nan
+    if resume is not None:  # the arrived batches, re-sharded over this world
+        sa.load_state_dict(resume["solver"], [shard(j) for j in range(resume["solver"]["arrived"])])
+        messenger.messages, messenger.bytes = int(resume["messages"]), int(resume["bytes"])
+        step, epochs, loss_value = int(resume["step"]), int(resume["epochs"]), resume["loss_value"]
+        first_batch, first_iteration = int(resume["batch"]), int(resume["iteration"])
+        in_batch = bool(resume["in_batch"])
+    for k in range(first_batch, args.sa_batches):
+        resumed = in_batch and k == first_batch  # this batch arrived before the restart
+        if step >= budget and not resumed:
             break
-        lo, hi = arrivals[k], arrivals[k + 1]  # the k-th arriving batch, sharded over ranks
-        shard = torch.linspace(lo, hi, env.world_size + 1).round().long().tolist()
-        a, b = shard[env.rank], shard[env.rank + 1]
-        sa.add_batch(row_slice(X, a, b), y[a:b])
-        solver = sa.solver
-        assert solver is not None
-        t0, loss_value = time.perf_counter(), solver.evaluate()
-        for it in range(args.iterations):
+        hi = arrivals[k + 1]  # the k-th arriving batch, sharded over ranks
+        t0, it0 = time.perf_counter(), 0
+        if resumed:
+            solver = sa.solver
+            assert solver is not None
+            it0 = args.iterations if solver.converged else first_iteration
+        else:
+            sa.add_batch(*shard(k))
+            solver = sa.solver
+            assert solver is not None
+            loss_value = solver.evaluate()
+        for it in range(it0, args.iterations):
             if step >= budget:
                 break
             loss_value = solver.step()
             step += 1
             if step % args.log_interval == 0:
-                speed = (hi * (it + 1)) / max(time.perf_counter() - t0, 1e-9)
+                speed = (hi * (it + 1 - it0)) / max(time.perf_counter() - t0, 1e-9)
                 logger.step(epoch=k, batch=it, step=step, loss=loss_value, lr=args.lr,
                             samples_per_sec=speed, messages=messenger.messages)  # fmt: skip
+            if elastic is not None:
+                elastic.ledger_step(epoch=k, step=step, ids=[])  # every row, every iteration
+                if elastic.due(step - 1, step):
+                    save(k, it + 1, True)
             if solver.converged:
                 break
         elapsed = time.perf_counter() - t0
@@ -241,6 +317,8 @@ def train_lbfgs(
             test = metrics(data["task"], model(data["X_test"]), data["y_test"], loss, "test")
         logger.eval(epoch=k, step=step, **test)
         epochs += 1
+        if elastic is not None:
+            save(k + 1, 0, False)
     with torch.no_grad():
         test = metrics(data["task"], model(data["X_test"]), data["y_test"], loss, "test")
     return {"steps": step, "epochs": epochs, "total_time": time.perf_counter() - start,
@@ -254,8 +332,15 @@ def train_sgd(
     data: dict[str, Any],
     loss: str,
     dtype: torch.dtype,
+    elastic: LinearElastic | None = None,
+    resume: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Feature-partitioned SGD or CA-SGD; the ``end`` record's metrics."""
+    """Feature-partitioned SGD or CA-SGD; the ``end`` record's metrics.
+
+    With ``elastic``: saves the full ``w`` (gathered) and the (epoch, next mini-batch)
+    position every ``checkpoint_steps`` mini-batches (at the end of the round that reaches
+    them) and after each epoch; ``resume`` continues with this world's column blocks.
+    """
     X, y = add_intercept_column(data["X_train"]), data["y_train"]
     X_test = add_intercept_column(data["X_test"])
     lo, hi = column_blocks(X.shape[1], env.world_size)[env.rank]
@@ -268,24 +353,47 @@ def train_sgd(
     s = args.s if args.solver == "casgd" else 1
     budget = args.max_steps if args.max_steps is not None else math.inf
     start, epochs = time.perf_counter(), 0
-    for epoch in range(args.num_epochs):
-        if sgd.steps >= budget:
+
+    def save(epoch: int, batch: int) -> None:
+        assert elastic is not None
+        block = sgd.state_dict()
+        w = gather_rows(block["w"], env.world_size)  # (d, C) on rank 0: every rank's block
+        elastic.save({"w": w, "steps": sgd.steps, "last_loss": sgd.last_loss, "epoch": epoch,
+                      "batch": batch, "epochs": epochs, "messages": messenger.messages,
+                      "bytes": messenger.bytes}, step=sgd.steps)  # fmt: skip
+
+    first_epoch, first_batch = 0, 0
+    if resume is not None:  # this world's column block of the saved w
+        sgd.load_state_dict({"w": resume["w"][lo:hi], "steps": resume["steps"],
+                             "last_loss": resume["last_loss"]})  # fmt: skip
+        messenger.messages, messenger.bytes = int(resume["messages"]), int(resume["bytes"])
+        first_epoch, first_batch = int(resume["epoch"]), int(resume["batch"])
+        epochs = int(resume["epochs"])
+    for epoch in range(first_epoch, args.num_epochs):
+        done = first_batch if epoch == first_epoch else 0  # mini-batches of it already applied
+        if sgd.steps >= budget and done == 0:
             break
         t0 = time.perf_counter()
         batches = epoch_batches(X.shape[0], args.batch_size, seed=args.seed, epoch=epoch)
         if budget < math.inf:
-            batches = batches[: int(budget - sgd.steps)]
-        for r, first in enumerate(range(0, len(batches), s)):
+            batches = batches[: int(budget - (sgd.steps - done))]
+        for first in range(done, len(batches), s):
+            r = first // s
             group = batches[first : first + s]
+            before = sgd.steps
             if args.solver == "casgd":
                 sgd.unrolled_step(group)
             else:
                 sgd.step(group[0])
             if (r + 1) % args.log_interval == 0:
-                rows = sum(int(b.numel()) for b in group) * (r + 1) / len(group)
+                rows = sum(int(b.numel()) for b in group) * (r + 1 - done // s) / len(group)
                 logger.step(epoch=epoch, batch=r, step=sgd.steps, loss=sgd.last_loss, lr=args.lr,
                             samples_per_sec=rows / max(time.perf_counter() - t0, 1e-9),
                             messages=messenger.messages)  # fmt: skip
+            if elastic is not None:
+                elastic.ledger_step(epoch=epoch, step=sgd.steps, ids=torch.cat(group))
+                if elastic.due(before, sgd.steps):
+                    save(epoch, first + len(group))
         elapsed = time.perf_counter() - t0
         train_obj = sgd.objective(LOSSES[loss].value)  # evaluation: not counted in messages
         logger.epoch(epoch=epoch, step=sgd.steps, loss=train_obj, time_cost=elapsed,
@@ -294,6 +402,8 @@ def train_sgd(
         logger.eval(epoch=epoch, step=sgd.steps,
                     **metrics(data["task"], m[:, 0] if C == 1 else m, data["y_test"], loss, "test"))  # fmt: skip
         epochs += 1
+        if elastic is not None:
+            save(epoch + 1, 0)
     m = sgd.margins(X_test_p)
     test = metrics(data["task"], m[:, 0] if C == 1 else m, data["y_test"], loss, "test")
     return {"steps": sgd.steps, "epochs": epochs, "total_time": time.perf_counter() - start,
@@ -306,8 +416,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = DistEnv.from_env()
     command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
-    logger = RunLogger(args.run_log, enabled=env.is_main)
-    logger.write(make_header(command, args.seed, env.world_size, args))
     dtype = torch.float64 if args.precision == "fp64" else torch.float32
     data = load_data(args, dtype)
     loss = args.loss or DEFAULT_LOSS[data["task"]]
@@ -315,13 +423,32 @@ def main(argv: list[str] | None = None) -> int:
         (loss == "squared") != (data["task"] == "regression")
     ):
         raise SystemExit(f"--loss {loss} does not fit the {data['task']} labels of {args.dataset}")
+    elastic, resume, appending = None, None, False
+    config = elastic_config(args)
+    if config is not None:
+        elastic = LinearElastic(config.dir, rank=env.rank, world_size=env.world_size,
+                                identity=elastic_identity(args, data, loss),
+                                checkpoint_steps=config.checkpoint_steps, ledger=config.ledger,
+                                run_log=args.run_log)  # fmt: skip
+        try:
+            resume = elastic.read()  # every rank: the job's state, checked against these flags
+            appending = elastic.resume_run_log(resume)  # rank 0: cut the log back to the save
+        except (ElasticStateMismatch, CheckpointError) as e:
+            raise SystemExit(f"--elastic-dir: {e}") from None
+    logger = RunLogger(args.run_log, enabled=env.is_main, mode="a" if appending else "w")
+    if not appending:
+        logger.write(make_header(command, args.seed, env.world_size, _header_config(args)))
     n, d = data["X_train"].shape
     logger.info(f"{args.dataset}: {n} training / {data['X_test'].shape[0]} test examples, "
                 f"{d} features, {data['task']}; {loss} loss, {args.solver} on "
                 f"{env.world_size} process(es)")  # fmt: skip
+    if elastic is not None:
+        elastic.start(logger, resume)  # the membership record, the ledger
     train = train_lbfgs if args.solver == "lbfgs" else train_sgd
-    result = train(args, env, logger, data, loss, dtype)
+    result = train(args, env, logger, data, loss, dtype, elastic, resume)
     logger.end(**result)
+    if elastic is not None:
+        elastic.finish()  # after the end record: a restart before it redoes the end
     main_metric = "test_mse" if data["task"] == "regression" else "test_accuracy"
     logger.info(f"held-out {main_metric.split('_')[1]}: {result[main_metric]:.4f} "
                 f"(test loss {result['test_loss']:.4f}, {result['steps']} steps, "
@@ -329,6 +456,14 @@ def main(argv: list[str] | None = None) -> int:
     logger.close()
     env.destroy()
     return 0 if all(math.isfinite(v) for v in result.values() if isinstance(v, float)) else 1
+
+
+def _header_config(args: argparse.Namespace) -> argparse.Namespace:
+    """The flags for the header; without ``--elastic-dir`` the elastic ones are left out, so
+    a non-elastic run's header is what it was before they existed."""
+    if args.elastic_dir is not None:
+        return args
+    return argparse.Namespace(**{k: v for k, v in vars(args).items() if "elastic" not in k})
 
 
 if __name__ == "__main__":

@@ -4,20 +4,25 @@
   evaluation) and the statistically adjusted variant for data arriving in batches;
 * :mod:`.casgd`: feature-partitioned SGD and communication-avoiding s-step SGD (CA-SGD), in
   fp64/fp32 and mixed precision;
-* :mod:`.messages`: the counted all-reduce both use.
+* :mod:`.messages`: the counted all-reduce both use;
+* :mod:`.elastic`: their durable state for elastic restarts (``train_linear.py --elastic-dir``).
 """
 
 from .casgd import PRECISIONS, FeaturePartitionedSGD, column_blocks, epoch_batches
+from .elastic import ElasticStateMismatch, LinearElastic, gather_rows
 from .lbfgs import DataParallelLBFGS, LBFGSConfig, StatisticallyAdjustedLBFGS
 from .messages import Messenger
 
 __all__ = [
     "PRECISIONS",
     "DataParallelLBFGS",
+    "ElasticStateMismatch",
     "FeaturePartitionedSGD",
     "LBFGSConfig",
+    "LinearElastic",
     "Messenger",
     "StatisticallyAdjustedLBFGS",
     "column_blocks",
     "epoch_batches",
+    "gather_rows",
 ]

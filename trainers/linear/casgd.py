@@ -41,7 +41,8 @@ every weight).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -314,6 +315,23 @@ class FeaturePartitionedSGD:
             return
         for group in _groups(batches, s):
             self.unrolled_step(group)
+
+    # -- durable state (elastic restarts, trainers.linear.elastic) ------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's block ``w_p``, the mini-batch count and the last loss. The full ``w``
+        of a world is the blocks stacked in rank order (:func:`trainers.linear.elastic.
+        gather_rows`); a new world takes its own blocks of it (:func:`column_blocks`)."""
+        return {"w": self.w.clone(), "steps": self.steps, "last_loss": self.last_loss}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (``w`` this rank's block, in the high precision)."""
+        w = state["w"]
+        if tuple(w.shape) != tuple(self.w.shape):
+            raise ValueError(f"the saved weight block has shape {tuple(w.shape)}, this rank's "
+                             f"block {tuple(self.w.shape)}")  # fmt: skip
+        self.w = w.to(self.high).clone()
+        self.steps = int(state["steps"])
+        self.last_loss = float(state["last_loss"])
 
     # -- evaluation (counted apart from the training messages) ----------------------------------
     def margins(

@@ -38,8 +38,10 @@ suffice. Each rank keeps its own shards of the old batches.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import copy
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -218,6 +220,59 @@ class DataParallelLBFGS:
         self.converged = grad_max <= self.config.tolerance_grad or not moved
         return loss
 
+    # -- durable state (elastic restarts, trainers.linear.elastic) ------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything an iteration boundary needs to continue: the weights, torch's L-BFGS
+        state (direction, step, curvature pairs, previous gradient and loss), the counters and
+        the cached last evaluation (so a resumed run sends no extra message).
+
+        Tensors and plain containers only (``weights_only`` loading). Identical on every rank.
+        """
+        cache = None
+        if self._cache is not None:
+            key, value, grads = self._cache
+            cache = {"params": [t.clone() for t in key], "loss": value,
+                     "grads": [g.clone() for g in grads]}  # fmt: skip
+        return {
+            "params": self._key(),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "iterations": self.iterations,
+            "evaluations": self.evaluations,
+            "converged": self.converged,
+            "num_examples": self.num_examples,
+            "cache": cache,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (of any world size: the state is the same on every
+        rank). The objective (``local_loss_sum``) stays the one this solver was built with."""
+        params = state["params"]
+        if len(params) != len(self.params) or any(
+            p.shape != q.shape for p, q in zip(self.params, params, strict=True)
+        ):
+            raise ValueError(
+                f"the saved L-BFGS state holds weights of shapes {[tuple(q.shape) for q in params]}"
+                f", this model {[tuple(p.shape) for p in self.params]}"
+            )
+        with torch.no_grad():
+            for p, q in zip(self.params, params, strict=True):
+                p.copy_(q)
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self.iterations = int(state["iterations"])
+        self.evaluations = int(state["evaluations"])
+        self.converged = bool(state["converged"])
+        self.num_examples = float(state["num_examples"])
+        cache = state["cache"]
+        self._cache = None
+        if cache is not None:
+            self._cache = (
+                [t.clone() for t in cache["params"]],
+                float(cache["loss"]),
+                [g.clone() for g in cache["grads"]],
+            )
+            for p, g in zip(self.params, self._cache[2], strict=True):
+                p.grad = g.clone()
+
     def run(self, max_iter: int, callback: Callable[[int, float], None] | None = None) -> float:
         """Up to ``max_iter`` iterations, stopping at convergence; ``callback(it, loss)``."""
         loss = self.evaluate()
@@ -280,6 +335,39 @@ class StatisticallyAdjustedLBFGS:
             )  # fmt: skip
         else:
             self.solver.set_objective(self._local_loss_sum, count)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The arrived-batch count, ``decay`` and the solver's :meth:`DataParallelLBFGS.state_dict`
+        (the batches themselves are data: the caller re-reads and re-shards them)."""
+        return {
+            "arrived": len(self.batches),
+            "decay": self.decay,
+            "solver": None if self.solver is None else self.solver.state_dict(),
+        }
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Continue from :meth:`state_dict` with ``batches``: this rank's shards of the
+        ``state["arrived"]`` batches that had arrived, sharded for the current world (any
+        size). A collective (the global example count is reduced once)."""
+        if len(batches) != int(state["arrived"]):
+            raise ValueError(f"the saved state has {state['arrived']} arrived batches, got "
+                             f"{len(batches)} to restore")  # fmt: skip
+        if float(state["decay"]) != self.decay:
+            raise ValueError(
+                f"the saved state has decay {state['decay']}, this solver {self.decay}"
+            )
+        self.batches = list(batches)
+        if state["solver"] is None:
+            self.solver = None
+            return
+        count = sum(w * len(b[1]) for w, b in zip(self._weights(), self.batches, strict=True))
+        self.solver = DataParallelLBFGS(
+            self.model.parameters(), self._local_loss_sum, count,
+            penalty=self.penalty, config=self.config, messenger=self.messenger,
+        )  # fmt: skip
+        self.solver.load_state_dict(state["solver"])
 
     def fit_batch(
         self,
