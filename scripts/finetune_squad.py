@@ -480,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)  # the same span-classifier init on every rank and rerun
     model = build_model(args, logger, env.is_main)
     optimizer = build_optimizer(args, model)
-    global_batch = args.batch_size * args.accumulate * env.world_size
+    combiner = build_combiner(args, env)
+    global_batch = args.batch_size * args.accumulate * combiner.data_parts(env.world_size)
     steps_per_epoch = len(train_features) // global_batch if train_features else 1
     if train_features is not None and steps_per_epoch < 1:
         raise SystemExit(
@@ -512,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(
         model, optimizer, config, env=env, logger=logger, lr_schedule=schedule,
         train_step=task.train_step, eval_step=task.eval_step if eval_set is not None else None,
-        combiner=build_combiner(args, env),
+        combiner=combiner,
         hooks=[PredictionFiles(task, env, logger, output_dir)],
     )  # fmt: skip
     collate = Collate(tokenizer.pad_id)

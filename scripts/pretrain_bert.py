@@ -464,7 +464,8 @@ def run_phase(
     steps = getattr(args, f"phase{phase}_steps")
     batch = getattr(args, f"phase{phase}_batch_size")
     accumulate = getattr(args, f"phase{phase}_accumulate")
-    global_batch = batch * accumulate * env.world_size
+    combiner = build_combiner(args, env)
+    global_batch = batch * accumulate * combiner.data_parts(env.world_size)
     if len(train) < global_batch:
         raise SystemExit(
             f"pretrain_bert.py: error: phase {phase}: {len(train)} instances are fewer than one "
@@ -496,7 +497,7 @@ def run_phase(
     trainer = Trainer(
         model, optimizer, config, env=env, logger=logger, lr_schedule=_schedule(args, phase, steps),
         train_step=train_step, eval_step=eval_step if dev is not None else None,
-        combiner=build_combiner(args, env), hooks=[tracker],
+        combiner=combiner, hooks=[tracker],
     )  # fmt: skip
     logger.start_phase(phase, done, trainer)
     build_elastic(_phase_elastic(args, phase), trainer)

@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     logger.info(f"{args.model}: {sum(p.numel() for p in model.parameters())} parameters, "
                 f"{in_channels} input features, {num_classes} classes")  # fmt: skip
     optimizer = build_optimizer(args, model)
-    steps_per_epoch = max(1, len(train_set) // (batch_size * env.world_size))
+    combiner = build_combiner(args, env)
+    steps_per_epoch = max(1, len(train_set) // (batch_size * combiner.data_parts(env.world_size)))
     schedule = build_schedule(args, steps_per_epoch=steps_per_epoch, epochs=args.num_epochs)
     config = TrainerConfig(
         epochs=args.num_epochs,
@@ -347,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(
         model, optimizer, config, env=env, logger=logger, lr_schedule=schedule,
         train_step=task.train_step, eval_step=task.eval_step,
-        combiner=build_combiner(args, env), hooks=[stopper],
+        combiner=combiner, hooks=[stopper],
     )  # fmt: skip
 
     start = time.perf_counter()

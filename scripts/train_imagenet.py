@@ -344,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         teacher.to(env.device).requires_grad_(False)
 
     optimizer = build_optimizer(args, model)
-    global_batch = args.batch_size * args.accumulate * env.world_size
+    combiner = build_combiner(args, env)
+    global_batch = args.batch_size * args.accumulate * combiner.data_parts(env.world_size)
     steps_per_epoch = len(train_set) // global_batch
     if steps_per_epoch < 1:
         raise SystemExit(
@@ -367,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(
         model, optimizer, config, env=env, logger=logger, lr_schedule=schedule,
         train_step=task.train_step, eval_step=task.eval_step if val_set is not None else None,
-        combiner=build_combiner(args, env), hooks=hooks,
+        combiner=combiner, hooks=hooks,
     )  # fmt: skip
     build_elastic(args, trainer)  # with --elastic-dir: fit() resumes from its state
     if args.resume:

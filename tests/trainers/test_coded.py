@@ -50,6 +50,13 @@ def test_the_tree_and_its_data_parts():
     assert tree.part_of == [0, 1, 1, 2, 2, 2, 2] and tree.parts == 3
     assert CodedTree(5, 4, 1).part_of == [0, 1, 1, 2, 2]
     assert CodedTree(3, 2, 0).part_of == [0, 1, 2]
+    # what the scripts size their lr schedule by, before the world exists: P, not n
+    assert create_combiner("coded", stragglers=1, branching=2).data_parts(7) == 3
+    assert (
+        create_combiner("coded").data_parts(5) == 3 and create_combiner("coded").data_parts(3) == 2
+    )
+    assert create_combiner("coded", stragglers=0).data_parts(3) == 3
+    assert create_combiner("average").data_parts(3) == 3
     with pytest.raises(ValueError, match="rank 1 has 1 children.*e.g. 3, 7, 15"):
         CodedTree(4, 2, 1)
     with pytest.raises(ValueError, match="not a multiple of stragglers"):

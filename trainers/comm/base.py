@@ -195,6 +195,13 @@ class GradCombiner:
         env = self.env
         return (env.rank, env.world_size) if env is not None else (0, 1)
 
+    def data_parts(self, world_size: int) -> int:
+        """How many disjoint shards a global batch has at ``world_size`` ranks; callable
+        before :meth:`prepare`, for the steps per epoch of an lr schedule (a global batch is
+        ``batch x accumulation x data_parts``). The world size, fewer where ranks share data
+        (CodedReduce)."""
+        return world_size
+
     def skips_step(self) -> bool:
         """Before an optimizer step's first forward: ``True`` when this rank's gradient cannot
         matter any more (CodedReduce: a late rank whose step the root has already decided), so

@@ -194,8 +194,7 @@ class CodedReduceCombiner(GradCombiner):
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
     ) -> nn.Module:
         super().prepare(model, optimizer, env)
-        branching = self.options.branching or max(self.options.stragglers + 1, env.world_size - 1)
-        self.tree = CodedTree(env.world_size, branching, self.options.stragglers)
+        self.tree = self._tree(env.world_size)
         self.counter.set_model(model)
         if env.distributed:
             self._store = _default_store()
@@ -212,6 +211,14 @@ class CodedReduceCombiner(GradCombiner):
             self._skip = int(store.get(_DECIDED)) > self.steps
         self.skipped += self._skip
         return self._skip
+
+    def _tree(self, world_size: int) -> CodedTree:
+        s = self.options.stragglers
+        return CodedTree(world_size, self.options.branching or max(s + 1, world_size - 1), s)
+
+    def data_parts(self, world_size: int) -> int:
+        """The tree's distinct data parts ``P`` (a step consumes ``P x batch`` samples)."""
+        return self._tree(world_size).parts
 
     def data_shard(self) -> tuple[int, int]:
         assert self.tree is not None and self.env is not None
