@@ -30,7 +30,8 @@ What it reads from the log: ``T_c`` = global batch / ``samples_per_sec``, the me
 step records after the first (for a multi-process log this includes this machine's own
 loopback communication, so it slightly over-estimates compute). The global batch of a step
 record is ``batch_size x accumulate x`` world size (the header's, or the latest ``membership``
-record's after an elastic restart); ``scripts/train_gnn.py``'s full-graph steps are one
+record's after an elastic restart; the data parts for ``--grad-combine coded``, whose ranks
+share data); ``scripts/train_gnn.py``'s full-graph steps are one
 sample (the graph). A two-phase pretraining log (``scripts/pretrain_bert.py``: per-phase
 ``phase1_batch_size``, ``phase1_accumulate``, ``phase2_...``, no ``batch_size``) gives every
 step record the batch of the phase it ran in (its ``phase`` field; else its step number
@@ -326,8 +327,24 @@ def step_times(records: Sequence[dict[str, Any]]) -> list[float]:
         if r.get("kind") != "step" or not r.get("samples_per_sec"):
             continue
         batch = _per_step_batch(r, config, script)
-        times.append(batch * world / float(r["samples_per_sec"]))
+        times.append(batch * data_parts(header, world) / float(r["samples_per_sec"]))
     return times
+
+
+def data_parts(header: dict[str, Any], world: int) -> int:
+    """Distinct data shards of a global batch at ``world`` ranks: the world size, fewer for
+    a combiner whose ranks share data (``--grad-combine coded``), read from the header's
+    ``configs.combiner``; logs without it are taken as one shard a rank."""
+    combiner = (header.get("configs") or {}).get("combiner")
+    if not combiner:
+        return world
+    from trainers.comm import combiner_class  # noqa: PLC0415 (only for logs that name one)
+
+    try:
+        cls = combiner_class(str(combiner["mode"]))
+        return int(cls(cls.Options(**combiner.get("options", {}))).data_parts(world))
+    except (KeyError, TypeError, ValueError):
+        return world
 
 
 def workload_from_log(path: str | Path) -> Workload:

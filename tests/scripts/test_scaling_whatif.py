@@ -119,7 +119,7 @@ def _train_gnn_graph_datasets() -> tuple[str, ...]:
 def _step_seconds(records: list[dict]) -> list[tuple[int, dict, float]]:
     """(index, step record, global batch / samples_per_sec) for each step record with a speed.
 
-    Global batch = per-rank batch x accumulation x world size, where the world size changes at
+    Global batch = per-rank batch x accumulation x world size (CodedReduce: its data parts), where the world size changes at
     an elastic membership record, a pretraining log's batch is the phase's (told by the step
     number against ``phase1_steps``, and checked against the record's own ``phase``), and a
     full-graph GNN step is one sample (the graph: train_gnn.py's batch size 1).
@@ -143,8 +143,20 @@ def _step_seconds(records: list[dict]) -> list[tuple[int, dict, float]]:
             per_rank = 1
         else:
             per_rank = config["batch_size"] * (config.get("accumulate") or 1)
-        out.append((i, r, per_rank * world / r["samples_per_sec"]))
+        out.append((i, r, per_rank * _parts(header, world) / r["samples_per_sec"]))
     return out
+
+
+def _parts(header: dict, world: int) -> int:
+    """Distinct data shards per step: CodedReduce's ranks share data (its tree's parts,
+    checked by hand in tests/trainers/test_coded.py); every other mode one shard a rank."""
+    combiner = (header.get("configs") or {}).get("combiner") or {}
+    if combiner.get("mode") != "coded":
+        return world
+    from trainers.comm.coded import CodedTree  # noqa: PLC0415
+
+    s = combiner["options"]["stragglers"]
+    return CodedTree(world, combiner["options"]["branching"] or max(s + 1, world - 1), s).parts
 
 
 # Our BertConfig field (and pretrain_bert.py flag) -> Hugging Face's BertConfig field.
