@@ -10,13 +10,16 @@ from .nlp import bert  # noqa: F401  (registration side effect)
 from .registry import get_model, get_weights, list_models, register_model
 from .store import purge
 from .vision import resnest  # noqa: F401  (registration side effect)
+from .vision.features import FeatureInfo, create_features
 from .weights import Weights
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FeatureInfo",
     "Weights",
     "__version__",
+    "create_features",
     "get_model",
     "get_weights",
     "list_models",

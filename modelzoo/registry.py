@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -184,6 +184,8 @@ def get_model(
     pretrained: bool | str = False,
     num_classes: int | None = None,
     progress: bool = True,
+    features_only: bool = False,
+    out_indices: Sequence[int] | None = None,
     **overrides: Any,
 ) -> nn.Module:
     """Builds a registered model, optionally with published weights.
@@ -196,15 +198,37 @@ def get_model(
             classes, everything but the classifier is loaded and the classifier is freshly
             initialized (GluonCV's ``reset_class``); a warning says so.
         progress: Show a download progress bar (only on a terminal).
+        features_only: Return a backbone instead
+            (:class:`~modelzoo.vision.features.FeatureListNet`): the stem and stages without
+            the global pool and classifier, whose forward gives the list of feature maps
+            selected by ``out_indices`` and whose ``feature_info`` gives their channels,
+            reductions and module names (timm's ``features_only``). Pretrained weights are
+            loaded strictly into the full model, whose head is then dropped.
+        out_indices: With ``features_only``, the feature indices to return, in this order;
+            ResNeSt: 0 the stem (reduction 2), 1-4 the stages (reductions 4, 8, 16, 32).
+            Default: all.
         **overrides: Builder options, e.g. ``dropblock_prob=0.1`` or ``final_drop=0.2``.
 
     Returns:
         The model, in training mode.
 
+    Raises:
+        ValueError: Unknown name or weights tag; ``features_only`` for a model that is not a
+            backbone (BERT, GNNs) or with ``num_classes``; invalid ``out_indices``, or
+            ``out_indices`` without ``features_only``.
+
     Example:
         >>> net = get_model("resnest50", pretrained=True)  # doctest: +SKIP
+        >>> backbone = get_model("resnest50", features_only=True, out_indices=(1, 2, 3, 4))
     """
     entry = get_model_entry(name)
+    if features_only:
+        return _get_backbone(entry, pretrained, num_classes, progress, out_indices, overrides)
+    if out_indices is not None:
+        raise ValueError(
+            f"get_model({entry.name!r}): out_indices={out_indices!r} only applies with "
+            f"features_only=True; pass features_only=True or drop out_indices"
+        )
     if pretrained is False:
         kwargs = dict(overrides)
         if num_classes is not None:
@@ -224,3 +248,27 @@ def get_model(
         )
         return load_pretrained(model, weights, strict_classifier=False, path=path)
     return load_pretrained(model, weights, path=path)
+
+
+def _get_backbone(
+    entry: ModelEntry,
+    pretrained: bool | str,
+    num_classes: int | None,
+    progress: bool,
+    out_indices: Sequence[int] | None,
+    overrides: dict[str, Any],
+) -> nn.Module:
+    """``get_model(..., features_only=True)``: checks everything before any download, loads
+    the weights strictly into the classification model, then keeps its stem and stages."""
+    from .vision.features import create_features, feature_family
+
+    owner = f"get_model({entry.name!r}, features_only=True)"
+    if num_classes is not None:
+        raise ValueError(
+            f"{owner}: num_classes={num_classes} has no meaning, a backbone has no "
+            f"classifier; drop num_classes"
+        )
+    family = feature_family(entry.name, **overrides)
+    indices = family.check_out_indices(out_indices, owner)
+    model = get_model(entry.name, pretrained=pretrained, progress=progress, **overrides)
+    return create_features(model, indices)
