@@ -192,12 +192,15 @@ class CodedReduceCombiner(GradCombiner):
         self.skipped = 0  # steps this rank did not compute (already decided when it got there)
         self._skip = False
         self._store: Any = None
+        self._catches_up = False  # set in prepare(): a non-root rank of a one-level tree
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
     ) -> nn.Module:
         super().prepare(model, optimizer, env)
         self.tree = self._tree(env.world_size)
+        one_level = not any(self.tree.children[c] for c in self.tree.children[0])
+        self._catches_up = env.distributed and env.rank != 0 and one_level  # module docstring
         self.counter.set_model(model)
         if env.distributed:
             self._store = _default_store()
@@ -210,9 +213,7 @@ class CodedReduceCombiner(GradCombiner):
         """Whether the root has already decided this step (module docstring)."""
         env, store = self.env, self._store
         self._skip = False
-        tree = self.tree
-        one_level = tree is not None and not any(tree.children[c] for c in tree.children[0])
-        if env is not None and env.distributed and env.rank != 0 and store is not None and one_level:  # fmt: skip
+        if self._catches_up and env is not None and store is not None:
             self._skip = int(store.get(_DECIDED)) > self.steps
         self.skipped += self._skip
         return self._skip
