@@ -19,7 +19,10 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["modelzoo", "modelzoo.*", "trainers", "trainers.*"]),
     include_package_data=True,
-    package_data={"modelzoo": ["py.typed", "graph/weights/*.pth"], "trainers": ["py.typed"]},
+    package_data={
+        "modelzoo": ["py.typed", "graph/weights/*.pth", "vision/*.tsv"],
+        "trainers": ["py.typed"],
+    },
     install_requires=[
         "torch>=2.4",
         "numpy>=1.24",

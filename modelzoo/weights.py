@@ -13,12 +13,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "VocabFile", "Weights"]
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "MODALITIES", "VocabFile", "Weights"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 _FORMATS = ("pth", "params", "safetensors")
+MODALITIES = ("image", "text", "graph")
 _VOCAB_FORMATS = ("txt", "gluonnlp")
 _HEX = re.compile(r"^[0-9a-f]+$")
 
@@ -98,6 +99,12 @@ class Weights:
             it is (Hugging Face serves every model as ``model.safetensors``); by convention
             ``{model}-{hash8}.{ext}``.
         vocab: The tokenizer vocabulary that goes with these weights (language models).
+        modality: What the model reads: ``"image"`` (preprocessing: :meth:`transforms`),
+            ``"text"`` (:meth:`tokenizer`) or ``"graph"`` (node features, :meth:`transforms`).
+        labels: Class names in the order of the classifier's outputs (ImageNet's 1000 for
+            the ImageNet weights), or ``None`` where the outputs are not classes.
+        normalize_features: Graph weights trained on row-normalized node features
+            (``train_gnn.py --normalize-features``): :meth:`transforms` applies it.
         recipe: The command that trained it and its published log, where known.
         tags: Free-form extra facts (paper, notes).
     """
@@ -120,6 +127,9 @@ class Weights:
     convert: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
     local_name: str | None = None
     vocab: VocabFile | None = None
+    modality: str = "image"
+    labels: tuple[str, ...] | None = None
+    normalize_features: bool = False
     recipe: Mapping[str, str] = field(default_factory=dict)
     tags: Mapping[str, str] = field(default_factory=dict)
 
@@ -129,17 +139,83 @@ class Weights:
             raise ValueError(
                 f"Weights({self.url}): file_format must be one of {_FORMATS}, got {self.file_format!r}"
             )
+        if self.modality not in MODALITIES:
+            raise ValueError(
+                f"Weights({self.url}): modality must be one of {MODALITIES}, got {self.modality!r}"
+            )
+        if self.labels is not None:
+            if not isinstance(self.labels, tuple):
+                object.__setattr__(self, "labels", tuple(self.labels))
+            if len(self.labels) != self.num_classes:
+                raise ValueError(
+                    f"Weights({self.url}): {len(self.labels)} labels for num_classes="
+                    f"{self.num_classes}; give one name per classifier output"
+                )
+        if self.modality == "text" and self.vocab is None:
+            raise ValueError(f"Weights({self.url}): text weights need their vocab=VocabFile(...)")
 
     @property
     def file_name(self) -> str:
         """Name of the cached file: ``{name}-{hash8}.{ext}`` as the publisher names it."""
         return self.local_name or self.archive_member or os.path.basename(self.url)
 
+    def transforms(self) -> Callable[[Any], Any]:
+        """The evaluation preprocessing these weights expect, as one callable.
+
+        Image weights: the very pipeline ``train_imagenet.py`` evaluates with
+        (:func:`modelzoo.vision.transforms.eval_transforms` of ``input_size``, ``crop_ratio``,
+        ``mean``, ``std``): a PIL image (or a path's decoded image) -> a normalized
+        ``(3, input_size, input_size)`` float tensor. Graph weights: the node-feature
+        transform ``train_gnn.py`` applied (:class:`modelzoo.graph.transforms.NodeFeatures`).
+
+        Raises:
+            ValueError: Text weights; their preprocessing is :meth:`tokenizer`.
+        """
+        if self.modality == "image":
+            from .vision.transforms import eval_transforms
+
+            return eval_transforms(
+                self.input_size,
+                crop_ratio=self.crop_ratio,
+                mean=tuple(255.0 * m for m in self.mean),
+                std=tuple(255.0 * s for s in self.std),
+            )
+        if self.modality == "graph":
+            from .graph.transforms import NodeFeatures
+
+            return NodeFeatures(normalize=self.normalize_features)
+        raise ValueError(
+            f"Weights({self.file_name}): text weights are preprocessed by their tokenizer; "
+            "call weights.tokenizer() instead of weights.transforms()"
+        )
+
+    def tokenizer(self, *, progress: bool = True) -> Any:
+        """The :class:`~modelzoo.nlp.tokenizer.BertTokenizer` of these (text) weights'
+        vocabulary, fetched and verified like the weights.
+
+        Raises:
+            ValueError: The weights have no vocabulary (image and graph weights).
+        """
+        if self.vocab is None:
+            raise ValueError(
+                f"Weights({self.file_name}): {self.modality} weights have no tokenizer; "
+                "their preprocessing is weights.transforms()"
+            )
+        from .nlp.tokenizer import tokenizer_from_vocab
+
+        return tokenizer_from_vocab(self.vocab, progress=progress)
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain-data view (no callables), for docs tables and run-log headers."""
+        """Plain-data view (no callables), for docs tables and run-log headers.
+
+        ``labels`` is summarised as ``num_labels`` (ImageNet's would be 1000 names).
+        """
         out = {
-            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "convert"
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("convert", "labels")
         }
+        out["num_labels"] = None if self.labels is None else len(self.labels)
         out["metrics"] = dict(self.metrics)
         out["recipe"] = dict(self.recipe)
         out["tags"] = dict(self.tags)

@@ -108,6 +108,7 @@ def published(
         source="modelzoo (trained here, shipped in the package)",
         license="Apache-2.0",
         classifier=classifier,
+        modality="graph",
         recipe={"command": command, "log": log, "paper": paper},
         tags={"dataset": dataset},
     )

