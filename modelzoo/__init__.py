@@ -1,12 +1,15 @@
 """modelzoo: pretrained ResNeSt, BERT and GNN models behind one registry.
 
->>> from modelzoo import get_model, list_models
+>>> from modelzoo import get_model, list_models, pipeline
 >>> list_models("resnest5*")  # doctest: +SKIP
+>>> pipeline("image-classification", "resnest50")("cat.jpg")  # doctest: +SKIP
 """
 
 # Importing the families (graph, nlp.bert, vision.resnest) registers their builders.
 from . import graph  # noqa: F401  (registration side effect)
+from .artifact import load_artifact, save_artifact
 from .nlp import bert  # noqa: F401  (registration side effect)
+from .pipelines import pipeline
 from .registry import get_model, get_weights, list_models, register_model
 from .store import purge
 from .vision import resnest  # noqa: F401  (registration side effect)
@@ -23,6 +26,9 @@ __all__ = [
     "get_model",
     "get_weights",
     "list_models",
+    "load_artifact",
+    "pipeline",
     "purge",
     "register_model",
+    "save_artifact",
 ]

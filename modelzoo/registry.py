@@ -191,7 +191,9 @@ def get_model(
     """Builds a registered model, optionally with published weights.
 
     Args:
-        name: A registered name (case-insensitive), see :func:`list_models`.
+        name: A registered name (case-insensitive), see :func:`list_models`, or the folder
+            of an artifact (a training script's ``--export-dir``, see
+            :mod:`modelzoo.artifact`): its model with its weights, in eval mode.
         pretrained: ``False``, ``True`` (the default weights) or a weights tag such as
             ``"gluoncv"``.
         num_classes: Classifier outputs. With pretrained weights for a different number of
@@ -221,6 +223,12 @@ def get_model(
         >>> net = get_model("resnest50", pretrained=True)  # doctest: +SKIP
         >>> backbone = get_model("resnest50", features_only=True, out_indices=(1, 2, 3, 4))
     """
+    from .artifact import is_artifact
+
+    if is_artifact(name):
+        return _get_artifact_model(
+            name, pretrained, num_classes, features_only, out_indices, overrides
+        )
     entry = get_model_entry(name)
     if features_only:
         return _get_backbone(entry, pretrained, num_classes, progress, out_indices, overrides)
@@ -272,3 +280,39 @@ def _get_backbone(
     indices = family.check_out_indices(out_indices, owner)
     model = get_model(entry.name, pretrained=pretrained, progress=progress, **overrides)
     return create_features(model, indices)
+
+
+def _get_artifact_model(
+    path: str,
+    pretrained: bool | str,
+    num_classes: int | None,
+    features_only: bool,
+    out_indices: Sequence[int] | None,
+    overrides: dict[str, Any],
+) -> nn.Module:
+    """``get_model(folder)``: the artifact's model with its weights."""
+    from .artifact import load_artifact
+
+    if isinstance(pretrained, str):
+        raise ValueError(
+            f"get_model({path!r}): an artifact folder has one set of weights; "
+            f"pretrained={pretrained!r} names a tag of the registry's weights, drop it"
+        )
+    artifact = load_artifact(path)
+    if num_classes is not None and num_classes != artifact.num_classes:
+        raise ValueError(
+            f"get_model({path!r}): the artifact's model has {artifact.num_classes} classes, "
+            f"not {num_classes}; to fine-tune for {num_classes} classes build "
+            f"get_model({artifact.model_name!r}, num_classes={num_classes}) and load the "
+            "weights but the classifier"
+        )
+    model = artifact.build(**overrides)
+    if features_only:
+        from .vision.features import create_features, feature_family
+
+        owner = f"get_model({path!r}, features_only=True)"
+        family = feature_family(artifact.model_name, **{**artifact.model_kwargs, **overrides})
+        return create_features(model, family.check_out_indices(out_indices, owner))
+    if out_indices is not None:
+        raise ValueError(f"get_model({path!r}): out_indices only applies with features_only=True")
+    return model

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..fileio import atomic_write_text
 from .tokenizer import BertTokenizer
@@ -53,6 +54,7 @@ __all__ = [
     "f1_score",
     "make_features",
     "normalize_answer",
+    "pad_features",
     "postprocess",
     "read_squad",
     "score_example",
@@ -387,14 +389,38 @@ def make_features(
 # ---------------------------------------------------------------------------------------------
 
 
+def pad_features(features: Sequence[SquadFeature], pad_id: int) -> dict[str, Any]:
+    """The model inputs of a batch of windows: ``input_ids`` and ``token_type_ids`` padded
+    to the longest, and ``attention_mask`` (``None`` when no window is padded: SDPA's fast
+    path). What ``finetune_squad.py`` and the question-answering pipeline feed BERT."""
+    lengths = [len(f.input_ids) for f in features]
+    width = max(lengths, default=1)
+    ids = torch.full((len(features), width), pad_id, dtype=torch.long)
+    types = torch.zeros((len(features), width), dtype=torch.long)
+    for row, f in enumerate(features):
+        ids[row, : lengths[row]] = torch.tensor(f.input_ids)
+        types[row, : lengths[row]] = torch.tensor(f.token_type_ids)
+    mask = None
+    if min(lengths, default=width) < width:
+        mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    return {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}
+
+
 @dataclass(frozen=True)
 class SpanPrediction:
-    """One n-best entry: answer text, its logits and its probability among the n best."""
+    """One n-best entry: answer text, its logits and its probability among the n best.
+
+    ``start``/``end`` are the answer's character offsets in the context
+    (``context[start:end] == text``); ``-1`` for the placeholder ``"empty"`` entry and ``0``
+    for v2.0's null answer ``""``.
+    """
 
     text: str
     start_logit: float
     end_logit: float
     probability: float = 0.0
+    start: int = -1
+    end: int = -1
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -455,30 +481,32 @@ def postprocess(
                 )
     prelim.sort(key=lambda p: p[0], reverse=True)
 
-    entries: list[tuple[str, float, float]] = []
+    entries: list[tuple[str, float, float, int, int]] = []
     seen: set[str] = set()
     for _, start_logit, end_logit, f, s, e in prelim:
         if len(entries) >= n_best_size:
             break
         offsets = features[f].offsets
-        text = example.context[offsets[s][0] : offsets[e][1]]  # type: ignore[index]
+        first, last = offsets[s][0], offsets[e][1]  # type: ignore[index]
+        text = example.context[first:last]
         if text in seen:
             continue
         seen.add(text)
-        entries.append((text, start_logit, end_logit))
+        entries.append((text, start_logit, end_logit, first, last))
     if version_2 and features:
         if "" not in seen:
-            entries.append(("", *null_logits))
+            entries.append(("", *null_logits, 0, 0))
         if len(entries) == 1:  # only the null answer: add a nonce span (as run_squad.py)
-            entries.insert(0, ("empty", 0.0, 0.0))
+            entries.insert(0, ("empty", 0.0, 0.0, -1, -1))
     if not entries:
-        entries = [("empty", 0.0, 0.0)] if features else [("", 0.0, 0.0)]
+        entries = [("empty", 0.0, 0.0, -1, -1)] if features else [("", 0.0, 0.0, 0, 0)]
 
-    scores = np.array([a + b for _, a, b in entries])
+    scores = np.array([a + b for _, a, b, _, _ in entries])
     probs = np.exp(scores - scores.max())
     probs /= probs.sum()
     nbest = [
-        SpanPrediction(text, a, b, float(p)) for (text, a, b), p in zip(entries, probs, strict=True)
+        SpanPrediction(text, a, b, float(p), first, last)
+        for (text, a, b, first, last), p in zip(entries, probs, strict=True)
     ]
     if not version_2:
         return nbest[0].text, nbest, None

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 import modelzoo
 from modelzoo.vision.labels import imagenet_classes, imagenet_synsets
 from modelzoo.vision.transforms import eval_transforms
 from modelzoo.weights import Weights
+
+from ._reference import random_image, reference_eval_preprocess
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "imagenet"
 
@@ -67,18 +67,11 @@ def test_imagenet_weights_carry_labels_and_transforms(name):
 def test_transforms_equal_the_published_formula():
     """resize shorter side to ceil(size / crop), centre crop, (x - mean) / std in 0-1 units."""
     weights = modelzoo.get_weights("resnest50")
-    rng = torch.Generator().manual_seed(0)
-    pixels = torch.randint(0, 256, (300, 400, 3), generator=rng, dtype=torch.uint8)
-    img = Image.fromarray(pixels.numpy())
+    img = random_image(300, 450, seed=0)  # 300 -> 256, 450 -> 384: every step exact
     out = weights.transforms()(img)
     assert out.shape == (3, 224, 224)
-    resized = img.resize((341, 256), Image.Resampling.BILINEAR)  # 400 * 256 / 300 = 341.3
-    left, top = (341 - 224) // 2, (256 - 224) // 2
-    crop = resized.crop((left, top, left + 224, top + 224))
-    x = torch.from_numpy(np.array(crop)).permute(2, 0, 1).float() / 255
-    mean = torch.tensor(weights.mean).view(3, 1, 1)
-    std = torch.tensor(weights.std).view(3, 1, 1)
-    torch.testing.assert_close(out, (x - mean) / std, atol=1e-5, rtol=0)
+    expected = reference_eval_preprocess(img, 224, 0.875, weights.mean, weights.std)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
 
 
 def test_text_weights_have_a_tokenizer_not_transforms():

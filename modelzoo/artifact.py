@@ -1,0 +1,389 @@
+"""One folder from training to serving: the model, its weights, preprocessing and labels.
+
+A training script's ``--export-dir DIR`` (or :func:`save_artifact`) writes
+
+* ``modelzoo.json`` — what the model is (its registry name and builder options), its task,
+  the preprocessing its evaluation used, the class names, the run's final metrics and the
+  command that trained it;
+* ``model.safetensors`` — the weights (for BERT: the Hugging Face layout, with its
+  ``config.json``, ``vocab.txt`` and ``tokenizer_config.json``, so ``transformers`` reads the
+  same folder).
+
+``modelzoo.get_model(DIR)`` and ``modelzoo.pipeline(task, DIR)`` load it back; the
+preprocessing is rebuilt by the same functions the training script's evaluation called
+(:func:`modelzoo.vision.transforms.eval_transforms`, the SQuAD windowing of
+:func:`modelzoo.nlp.squad.make_features`, :class:`modelzoo.graph.transforms.NodeFeatures`),
+so training and serving cannot drift apart (ML.NET's lesson). The folder is written under a
+temporary name and renamed into place: a failed export leaves nothing behind.
+
+Example:
+    >>> save_artifact("runs/digits/export", model, model_name="resnest14",  # doctest: +SKIP
+    ...               model_kwargs={"num_classes": 10}, task="image-classification",
+    ...               labels=train_set.classes, preprocessing=image_preprocessing(32, 0.875))
+    >>> net = modelzoo.get_model("runs/digits/export")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .fileio import fsync_directory
+
+__all__ = [
+    "ARTIFACT_FILE",
+    "ARTIFACT_FORMAT",
+    "TASKS",
+    "Artifact",
+    "ArtifactError",
+    "image_preprocessing",
+    "is_artifact",
+    "load_artifact",
+    "save_artifact",
+]
+
+ARTIFACT_FILE = "modelzoo.json"
+ARTIFACT_FORMAT = 1
+WEIGHTS_FILE = "model.safetensors"
+
+#: task -> the modality of its input.
+TASKS = {
+    "image-classification": "image",
+    "question-answering": "text",
+    "fill-mask": "text",
+    "node-classification": "graph",
+}
+
+#: SQuAD windowing and post-processing options a question-answering artifact records.
+QA_OPTIONS = {
+    "max_seq_length": 384,
+    "doc_stride": 128,
+    "max_query_length": 64,
+    "max_answer_length": 30,
+    "n_best_size": 20,
+    "version_2": False,
+    "null_score_diff_threshold": 0.0,
+}
+
+
+class ArtifactError(ValueError):
+    """A folder that is not a readable modelzoo artifact (the message names file and field)."""
+
+
+def image_preprocessing(
+    input_size: int,
+    crop_ratio: float,
+    mean: Sequence[float] = (0.485, 0.456, 0.406),
+    std: Sequence[float] = (0.229, 0.224, 0.225),
+) -> dict[str, Any]:
+    """The ``preprocessing`` of an image artifact; ``mean``/``std`` in [0, 1] units (as
+    :class:`~modelzoo.Weights`; the scripts' ``--rgb-mean`` is in 0-255 units: divide)."""
+    return {
+        "input_size": int(input_size),
+        "crop_ratio": float(crop_ratio),
+        "mean": [float(m) for m in mean],
+        "std": [float(s) for s in std],
+    }
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A loaded ``modelzoo.json``: everything but the weights (see :meth:`build`).
+
+    It answers the same questions as :class:`~modelzoo.Weights` (``labels``,
+    :meth:`transforms`, :meth:`tokenizer`, ``modality``), so pipelines take either.
+    """
+
+    directory: Path
+    model_name: str
+    model_kwargs: Mapping[str, Any]
+    task: str
+    labels: tuple[str, ...] | None = None
+    preprocessing: Mapping[str, Any] = field(default_factory=dict)
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    source: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def modality(self) -> str:
+        return TASKS[self.task]
+
+    @property
+    def num_classes(self) -> int | None:
+        value = self.model_kwargs.get("num_classes")
+        return None if value is None else int(value)
+
+    def transforms(self) -> Any:
+        """The evaluation preprocessing of the run (images: the eval transform; graphs: the
+        node-feature transform). Text: raises, use :meth:`tokenizer`."""
+        if self.modality == "image":
+            from .vision.transforms import eval_transforms
+
+            p = self.preprocessing
+            return eval_transforms(
+                int(p["input_size"]),
+                crop_ratio=float(p["crop_ratio"]),
+                mean=tuple(255.0 * m for m in p["mean"]),
+                std=tuple(255.0 * s for s in p["std"]),
+            )
+        if self.modality == "graph":
+            from .graph.transforms import NodeFeatures
+
+            return NodeFeatures(normalize=bool(self.preprocessing.get("normalize_features")))
+        raise ValueError(
+            f"{self.directory}: text artifacts are preprocessed by their tokenizer; call "
+            ".tokenizer() instead of .transforms()"
+        )
+
+    def tokenizer(self, *, progress: bool = False) -> Any:
+        """The tokenizer saved in the folder (text artifacts)."""
+        from .nlp.tokenizer import BertTokenizer
+
+        if self.modality != "text":
+            raise ValueError(f"{self.directory}: a {self.modality} artifact has no tokenizer")
+        return BertTokenizer.from_dir(self.directory)
+
+    def build(self, **overrides: Any) -> nn.Module:
+        """The model with the folder's weights loaded strictly, in eval mode.
+
+        ``overrides`` are builder options that do not change the parameters (e.g.
+        ``final_drop=0.0``); ones that do make the strict load fail with the names.
+        """
+        if self.modality == "text":
+            from .nlp.bert import bert_from_checkpoint
+
+            head = overrides.pop("head", self.model_kwargs.get("head"))
+            if overrides:
+                raise ArtifactError(
+                    f"{self.directory}: a BERT artifact takes no builder options but head; "
+                    f"got {sorted(overrides)}"
+                )
+            model = bert_from_checkpoint(self.directory, head=head)
+            return model.eval()
+        from safetensors.torch import load_model
+
+        from .registry import get_model_entry
+
+        entry = get_model_entry(self.model_name)
+        model = entry.builder(**{**self.model_kwargs, **overrides})
+        missing, unexpected = load_model(model, str(self.directory / WEIGHTS_FILE), strict=False)
+        if missing or unexpected:
+            raise ArtifactError(
+                f"{self.directory / WEIGHTS_FILE}: the weights do not fit {self.model_name}"
+                f"({_kwargs_text({**self.model_kwargs, **overrides})}): missing {sorted(missing)}, "
+                f"unexpected {sorted(unexpected)}"
+            )
+        return model.eval()
+
+
+def _kwargs_text(kwargs: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
+
+
+def is_artifact(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a folder holding a ``modelzoo.json``."""
+    try:
+        return (Path(path).expanduser() / ARTIFACT_FILE).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _jsonable(value: Any, where: str) -> Any:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise ArtifactError(f"{where} must be JSON data (numbers, strings, lists): {exc}") from None
+    return value
+
+
+def save_artifact(
+    directory: str | os.PathLike[str],
+    model: nn.Module,
+    *,
+    model_name: str,
+    model_kwargs: Mapping[str, Any],
+    task: str,
+    labels: Sequence[str] | None = None,
+    preprocessing: Mapping[str, Any] | None = None,
+    tokenizer: Any = None,
+    metrics: Mapping[str, Any] | None = None,
+    source: Mapping[str, Any] | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> Path:
+    """Writes ``model`` as an artifact folder (replacing an older one) and returns it.
+
+    Args:
+        directory: the folder to create (its parent is created if needed).
+        model: the trained model (a bare module, not DDP).
+        model_name: its registry name: :meth:`Artifact.build` calls that builder.
+        model_kwargs: the builder options that give ``model``'s parameters
+            (``num_classes``, ``in_channels``, ``head``, ...).
+        task: one of :data:`TASKS`.
+        labels: class names, one per classifier output (image and graph classifiers).
+        preprocessing: image: :func:`image_preprocessing`; question answering: the SQuAD
+            options of :data:`QA_OPTIONS` the run evaluated with; graph:
+            ``{"normalize_features": bool}``.
+        tokenizer: text tasks: the :class:`~modelzoo.nlp.tokenizer.BertTokenizer`.
+        metrics: the run's final metrics (recorded, not used).
+        source: where it comes from (command, run log, seed).
+        state_dict: weights to write instead of ``model``'s (e.g. its EMA); same names.
+
+    Raises:
+        ArtifactError: an unknown task, labels that do not match ``num_classes``, missing
+            preprocessing or tokenizer, or fields that are not JSON data.
+    """
+    if task not in TASKS:
+        raise ArtifactError(f"save_artifact: task must be one of {sorted(TASKS)}, got {task!r}")
+    modality = TASKS[task]
+    kwargs = dict(_jsonable(dict(model_kwargs), "save_artifact: model_kwargs"))
+    if labels is not None:
+        labels = [str(x) for x in labels]
+        classes = kwargs.get("num_classes")
+        if classes is not None and len(labels) != int(classes):
+            raise ArtifactError(
+                f"save_artifact: {len(labels)} labels for num_classes={classes}; give one "
+                "name per classifier output"
+            )
+    prep = dict(preprocessing or {})
+    if task == "question-answering":
+        unknown = sorted(set(prep) - set(QA_OPTIONS))
+        if unknown:
+            raise ArtifactError(
+                f"save_artifact: preprocessing keys {unknown} are not SQuAD options "
+                f"{sorted(QA_OPTIONS)}"
+            )
+        prep = {**QA_OPTIONS, **prep}
+    if modality == "image":
+        missing = sorted({"input_size", "crop_ratio", "mean", "std"} - set(prep))
+        if missing:
+            raise ArtifactError(
+                f"save_artifact: image preprocessing lacks {missing}; use image_preprocessing()"
+            )
+    if modality == "text" and tokenizer is None:
+        raise ArtifactError(f"save_artifact: a {task} artifact needs its tokenizer=")
+    meta = {
+        "format": ARTIFACT_FORMAT,
+        "model": model_name.lower(),
+        "model_kwargs": kwargs,
+        "task": task,
+        "labels": labels,
+        "preprocessing": _jsonable(prep, "save_artifact: preprocessing"),
+        "metrics": _jsonable(dict(metrics or {}), "save_artifact: metrics"),
+        "source": _jsonable(dict(source or {}), "save_artifact: source"),
+    }
+    from .registry import get_model_entry
+
+    get_model_entry(model_name)  # an unknown name fails now, not when loading
+
+    directory = Path(directory).expanduser()
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.partial-"))
+    try:
+        if modality == "text":
+            from .convert.bert import save_hf_directory
+
+            if state_dict is not None:
+                model = _with_state(model, state_dict)
+            save_hf_directory(model, tokenizer, tmp / "hf", replace=True)
+            for item in (tmp / "hf").iterdir():
+                os.replace(item, tmp / item.name)
+            (tmp / "hf").rmdir()
+        else:
+            from safetensors.torch import save_model
+
+            target = model if state_dict is None else _with_state(model, state_dict)
+            save_model(target, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        text = json.dumps(meta, indent=2) + "\n"
+        (tmp / ARTIFACT_FILE).write_text(text, encoding="utf-8")
+        if directory.exists():
+            old = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.old-"))
+            os.replace(directory, old / "x")
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, directory)
+        fsync_directory(directory.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def _with_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> nn.Module:
+    import copy
+
+    clone = copy.deepcopy(model)
+    clone.load_state_dict(dict(state), strict=True)
+    return clone
+
+
+def load_artifact(path: str | os.PathLike[str]) -> Artifact:
+    """Reads ``path/modelzoo.json`` (checked field by field).
+
+    Raises:
+        ArtifactError: not an artifact folder, unreadable JSON, a newer format, or a field
+            missing or of the wrong type (the message names it).
+    """
+    directory = Path(path).expanduser()
+    meta_path = directory / ARTIFACT_FILE
+    if not meta_path.is_file():
+        raise ArtifactError(
+            f"{directory}: no {ARTIFACT_FILE}; an artifact folder is written by a training "
+            "script's --export-dir or modelzoo.artifact.save_artifact"
+        )
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{meta_path}: not readable JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise ArtifactError(f"{meta_path}: expected a JSON object")
+
+    def need(key: str, kind: type | tuple[type, ...]) -> Any:
+        if key not in meta:
+            raise ArtifactError(f"{meta_path}: field {key!r} is missing")
+        if not isinstance(meta[key], kind):
+            raise ArtifactError(f"{meta_path}: field {key!r} has the wrong type ({meta[key]!r})")
+        return meta[key]
+
+    fmt = need("format", int)
+    if fmt > ARTIFACT_FORMAT:
+        raise ArtifactError(
+            f"{meta_path}: format {fmt} is newer than this modelzoo reads ({ARTIFACT_FORMAT}); "
+            "upgrade modelzoo"
+        )
+    task = need("task", str)
+    if task not in TASKS:
+        raise ArtifactError(f"{meta_path}: field 'task' is {task!r}, not one of {sorted(TASKS)}")
+    labels = meta.get("labels")
+    if labels is not None and (
+        not isinstance(labels, list) or not all(isinstance(x, str) for x in labels)
+    ):
+        raise ArtifactError(f"{meta_path}: field 'labels' must be a list of strings or null")
+    artifact = Artifact(
+        directory=directory,
+        model_name=need("model", str),
+        model_kwargs=need("model_kwargs", dict),
+        task=task,
+        labels=tuple(labels) if labels is not None else None,
+        preprocessing=meta.get("preprocessing") or {},
+        metrics=meta.get("metrics") or {},
+        source=meta.get("source") or {},
+    )
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise ArtifactError(f"{directory}: {WEIGHTS_FILE} is missing")
+    if artifact.modality == "text" and not (directory / "vocab.txt").is_file():
+        raise ArtifactError(f"{directory}: vocab.txt is missing (a text artifact's tokenizer)")
+    if artifact.modality == "image":
+        missing = sorted({"input_size", "crop_ratio", "mean", "std"} - set(artifact.preprocessing))
+        if missing:
+            raise ArtifactError(f"{meta_path}: field 'preprocessing' lacks {missing}")
+    return artifact
