@@ -365,7 +365,10 @@ def _source(model: Any, task: str, pretrained: bool | str) -> tuple[nn.Module, A
             )
         head = {"head": "qa"} if task == "question-answering" else {}
         return artifact.build(**head), artifact
-    if Path(model).expanduser().is_dir():
+    folder = Path(model).expanduser()
+    if task == "question-answering" and (folder / "config.json").is_file():
+        return _hf_bert_folder(folder)
+    if folder.is_dir():
         from .artifact import ArtifactError
 
         raise ArtifactError(
@@ -395,6 +398,41 @@ def _source(model: Any, task: str, pretrained: bool | str) -> tuple[nn.Module, A
     return get_model(name, pretrained=pretrained), weights
 
 
+class _FolderTokenizer:
+    """The metadata of a Hugging Face BERT folder: its tokenizer, no labels."""
+
+    labels = None
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def tokenizer(self) -> Any:
+        from .nlp.tokenizer import BertTokenizer
+
+        return BertTokenizer.from_dir(self.folder)
+
+
+def _hf_bert_folder(folder: Path) -> tuple[nn.Module, Any]:
+    """A Hugging Face BERT folder (``config.json`` + weights + ``vocab.txt``), e.g. a
+    SQuAD-fine-tuned ``BertForQuestionAnswering`` or ``finetune_squad.py``'s output."""
+    import json
+
+    from .nlp.bert import bert_from_checkpoint
+
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if not (folder / "vocab.txt").is_file():
+        raise ValueError(f"pipeline('question-answering'): {folder} has no vocab.txt")
+    if "BertForQuestionAnswering" not in config.get("architectures", []):
+        warnings.warn(
+            f"pipeline('question-answering', {str(folder)!r}): config.json's architectures "
+            f"{config.get('architectures')} have no BertForQuestionAnswering; the span head "
+            "is freshly initialized and the answers are not meaningful",
+            UserWarning,
+            stacklevel=4,
+        )
+    return bert_from_checkpoint(folder, head="qa").eval(), _FolderTokenizer(folder)
+
+
 def pipeline(
     task: str,
     model: str | os.PathLike[str] | nn.Module | None = None,
@@ -413,8 +451,10 @@ def pipeline(
         task: ``"image-classification"``, ``"question-answering"`` or
             ``"node-classification"``.
         model: a registry name (with its published weights: ``pretrained`` picks the tag),
-            an artifact folder (``--export-dir`` of a training script), or a module (then
-            give ``labels``/``transforms``/``tokenizer``). Default for images: resnest50.
+            an artifact folder (``--export-dir`` of a training script), for question
+            answering also a Hugging Face BERT folder (``BertForQuestionAnswering``'s
+            ``save_pretrained``, ``finetune_squad.py --output-dir``), or a module (then give
+            ``labels``/``transforms``/``tokenizer``). Default for images: resnest50.
         labels, transforms, tokenizer: override what the weights or the artifact carry.
         device, dtype: where and in which precision to run.
         **options: the task pipeline's options (``top_k``, ``batch_size``, the SQuAD

