@@ -48,6 +48,7 @@ from modelzoo.nlp.squad import (
     SquadFormatError,
     SquadSet,
     make_features,
+    pad_features,
     postprocess,
     read_squad,
     score_example,
@@ -63,8 +64,12 @@ from trainers.cli import (
     DTYPES,
     ArgumentParser,
     add_distributed_args,
+    add_ema_args,
+    add_gradient_checkpointing_args,
     add_optimizer_args,
+    add_tensorboard_args,
     build_combiner,
+    build_ema,
     build_optimizer,
     run_configs,
 )
@@ -142,6 +147,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_optimizer_args(p, default="adamw")
     p.set_defaults(wd=0.01, no_wd=True)  # BERT: decay 0.01, none on LayerNorm and biases
     add_distributed_args(p)
+    add_ema_args(p)
+    add_gradient_checkpointing_args(p)
+    add_tensorboard_args(p)
     o = p.add_argument_group("training")
     o.add_argument("--epochs", "--num-epochs", dest="epochs", type=int, default=None)
     o.add_argument("--batch-size", type=int, default=None, help="per worker and micro-step")
@@ -247,20 +255,6 @@ class EvalExamples(Dataset):
         return EvalItem(index, self.by_example[index])
 
 
-def _pad(features: Sequence[SquadFeature], pad_id: int) -> dict[str, torch.Tensor | None]:
-    lengths = [len(f.input_ids) for f in features]
-    width = max(lengths, default=1)
-    ids = torch.full((len(features), width), pad_id, dtype=torch.long)
-    types = torch.zeros((len(features), width), dtype=torch.long)
-    for row, f in enumerate(features):
-        ids[row, : lengths[row]] = torch.tensor(f.input_ids)
-        types[row, : lengths[row]] = torch.tensor(f.token_type_ids)
-    mask = None  # no padding: SDPA's fast path
-    if min(lengths, default=width) < width:
-        mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
-    return {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}
-
-
 class Collate:
     """Pads training windows (with start/end labels) or evaluation questions' windows."""
 
@@ -270,12 +264,12 @@ class Collate:
     def __call__(self, items: list[Any]) -> dict[str, Any]:
         if isinstance(items[0], EvalItem):
             features = [f for item in items for f in item.features]
-            batch: dict[str, Any] = _pad(features, self.pad_id)
+            batch: dict[str, Any] = pad_features(features, self.pad_id)
             batch["example_index"] = [item.example_index for item in items]
             batch["num_features"] = [len(item.features) for item in items]
             batch["features"] = features
             return batch
-        batch = _pad(items, self.pad_id)
+        batch = pad_features(items, self.pad_id)
         batch["start_positions"] = torch.tensor([f.start_position for f in items])
         batch["end_positions"] = torch.tensor([f.end_position for f in items])
         return batch
@@ -448,7 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     env = DistEnv.from_env()
     command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     output_dir = Path(args.output_dir)
-    logger = RunLogger(args.run_log, enabled=env.is_main, logging_file=args.logging_file)
+    logger = RunLogger(
+        args.run_log, enabled=env.is_main, logging_file=args.logging_file,
+        tensorboard=args.tensorboard,
+    )  # fmt: skip
     logger.info(f"Namespace({', '.join(f'{k}={v!r}' for k, v in sorted(vars(args).items()))})")
     logger.write(make_header(command, args.seed, env.world_size, args, configs=run_configs(args)))
 
@@ -479,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)  # the same span-classifier init on every rank and rerun
     model = build_model(args, logger, env.is_main)
+    model.bert.set_gradient_checkpointing(args.gradient_checkpointing)
     optimizer = build_optimizer(args, model)
     combiner = build_combiner(args, env)
     global_batch = args.batch_size * args.accumulate * combiner.data_parts(env.world_size)
@@ -516,6 +514,12 @@ def main(argv: list[str] | None = None) -> int:
         combiner=combiner,
         hooks=[PredictionFiles(task, env, logger, output_dir)],
     )  # fmt: skip
+    ema = build_ema(
+        args, model, eval_dataset=eval_set, collate_fn=Collate(tokenizer.pad_id),
+        on_evaluated=lambda t, m: task.finish_eval(env, logger, output_dir / "ema"),
+    )  # fmt: skip
+    if ema is not None:  # after PredictionFiles: its files are the model's, ema/ the EMA's
+        trainer.add_hook(ema)
     collate = Collate(tokenizer.pad_id)
 
     start = time.perf_counter()
@@ -545,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
             f"Held-out F1 {f1:.2f} ({len(task.examples)} questions, "
             f"{time.perf_counter() - start:.1f} s)"
         )
+    if env.is_main and ema is not None and "ema_f1" in ema.last_metrics:
+        logger.info(f"Held-out F1 of the EMA {ema.last_metrics['ema_f1']:.2f} ({output_dir}/ema)")
     logger.close()
     env.destroy()
     return 0 if all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)) else 1

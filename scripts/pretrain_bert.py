@@ -64,15 +64,20 @@ from trainers.cli import (
     ArgumentParser,
     add_distributed_args,
     add_elastic_args,
+    add_ema_args,
+    add_gradient_checkpointing_args,
     add_optimizer_args,
+    add_tensorboard_args,
     build_combiner,
     build_elastic,
+    build_ema,
     elastic_config,
     elastic_resuming,
     optimizer_config,
     run_configs,
 )
 from trainers.config import ElasticConfig
+from trainers.ema import ModelEMA
 from trainers.logs import PhasedRunLogger, ratio_metrics
 from trainers.optim import create_optimizer
 from trainers.schedules import create_schedule
@@ -126,6 +131,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.set_defaults(wd=0.01, no_wd=True, epsilon=1e-6)
     add_distributed_args(p)
     add_elastic_args(p)
+    add_ema_args(p)
+    add_gradient_checkpointing_args(p)
+    add_tensorboard_args(p)
 
     t = p.add_argument_group("phases (per-phase flags: --phase1-X / --phase2-X)")
     t.add_argument("--phases", type=str, default="1,2", help="phases to run: 1,2 or 1 or 2")
@@ -334,6 +342,8 @@ RATIOS = {
     "nsp_loss": ("nsp_loss_sum", "nsp_count"),
     "nsp_accuracy": ("nsp_correct", "nsp_count"),
 }
+# The EMA's evaluations (--model-ema) carry the same sums, prefixed.
+EMA_RATIOS = {f"ema_{k}": (f"ema_{n}", f"ema_{d}") for k, (n, d) in RATIOS.items()}
 
 
 def pretraining_sums(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -494,10 +504,11 @@ def run_phase(
         inject_straggler=args.inject_straggler,
     )
     tracker = EvalTracker()
+    ema = build_ema(args, model, eval_dataset=dev, collate_fn=PretrainingCollate(train.pad_id))
     trainer = Trainer(
         model, optimizer, config, env=env, logger=logger, lr_schedule=_schedule(args, phase, steps),
         train_step=train_step, eval_step=eval_step if dev is not None else None,
-        combiner=combiner, hooks=[tracker],
+        combiner=combiner, hooks=[tracker] if ema is None else [tracker, ema],
     )  # fmt: skip
     logger.start_phase(phase, done, trainer)
     build_elastic(_phase_elastic(args, phase), trainer)
@@ -514,6 +525,8 @@ def run_phase(
     if dev is not None and tracker.step != trainer.global_step:
         metrics = trainer.evaluate(dev, collate, remember=True)
         logger.eval(epoch=trainer.epoch, step=trainer.global_step, **metrics)
+        if ema is not None:
+            ema.evaluate_and_log(trainer)  # the phase's EMA weights, ema_ metrics
     return trainer
 
 
@@ -527,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     appending = resuming and args.run_log is not None and Path(args.run_log).is_file()
     logger = PhasedRunLogger(
         args.run_log, enabled=env.is_main, logging_file=args.logging_file,
-        mode="a" if appending else "w", ratios=RATIOS,
+        mode="a" if appending else "w", ratios={**RATIOS, **EMA_RATIOS},
+        tensorboard=args.tensorboard,
     )  # fmt: skip
     logger.info(f"Namespace({', '.join(f'{k}={v!r}' for k, v in sorted(vars(args).items()))})")
     if not appending:
@@ -558,8 +572,12 @@ def main(argv: list[str] | None = None) -> int:
         if limit <= 0:
             break
         model = phase_model(args, phase, tokenizer, previous)
+        model.bert.set_gradient_checkpointing(args.gradient_checkpointing)
         trainer = run_phase(args, phase, limit, model, data[phase], env, logger, resuming, done)
         final = dict(trainer.last_eval)
+        for hook in trainer.hooks:
+            if isinstance(hook, ModelEMA):
+                final.update(hook.final_metrics())  # the phase's EMA evaluation (ema_ sums)
         if trainer.global_step >= steps:
             if env.is_main:
                 save_hf_directory(trainer.model, tokenizer, model_dir)

@@ -41,10 +41,13 @@ from trainers.cli import (
     ArgumentParser,
     add_distributed_args,
     add_elastic_args,
+    add_ema_args,
     add_optimizer_args,
     add_schedule_args,
+    add_tensorboard_args,
     build_combiner,
     build_elastic,
+    build_ema,
     build_optimizer,
     build_schedule,
     elastic_resuming,
@@ -179,6 +182,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_schedule_args(p, default="cosine")
     add_distributed_args(p)
     add_elastic_args(p)
+    add_ema_args(p)
+    add_tensorboard_args(p)
     o = p.add_argument_group("training")
     o.add_argument("--batch-size", type=int, default=None, help="per worker")
     o.add_argument("--num-epochs", "--epochs", dest="num_epochs", type=int, default=None)
@@ -303,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     resuming = elastic_resuming(args, run_log, is_main=env.is_main)  # append, no new header
     logger = RunLogger(
-        run_log, enabled=env.is_main, logging_file=args.logging_file, mode="a" if resuming else "w"
-    )
+        run_log, enabled=env.is_main, logging_file=args.logging_file, mode="a" if resuming else "w",
+        tensorboard=args.tensorboard,
+    )  # fmt: skip
     logger.info(f"Namespace({', '.join(f'{k}={v!r}' for k, v in sorted(vars(args).items()))})")
     config = TrainerConfig(
         epochs=args.num_epochs,
@@ -365,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     hooks: list[Any] = [task]
     if args.dropblock_prob > 0:
         hooks.append(DropBlockRamp(model, args.num_epochs))
+    ema = build_ema(args, model, eval_dataset=val_set)  # --model-ema: evaluated as ema_top1
+    if ema is not None:
+        hooks.append(ema)
     trainer = Trainer(
         model, optimizer, config, env=env, logger=logger, lr_schedule=schedule,
         train_step=task.train_step, eval_step=task.eval_step if val_set is not None else None,
@@ -387,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"Held-out top-1 accuracy: {top1:.4f} ({len(val_set)} images, "
                 f"{time.perf_counter() - start:.1f} s)"
             )
+        if ema is not None and "ema_top1" in ema.last_metrics:
+            logger.info(f"Held-out top-1 accuracy of the EMA: {ema.last_metrics['ema_top1']:.4f}")
     logger.close()
     env.destroy()
     return 0 if all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)) else 1

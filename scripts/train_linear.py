@@ -55,7 +55,7 @@ from modelzoo.linear import (
 from modelzoo.linear.svmlight import SvmlightFormatError
 from trainers import DistEnv, RunLogger, make_header
 from trainers.checkpoint import CheckpointError
-from trainers.cli import ArgumentParser, add_elastic_args, elastic_config
+from trainers.cli import ArgumentParser, add_elastic_args, add_tensorboard_args, elastic_config
 from trainers.linear import (
     ElasticStateMismatch,
     FeaturePartitionedSGD,
@@ -122,6 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--run-log", type=str, default=None, help="JSON Lines run log")
     o.add_argument("--no-progress", action="store_true", help="accepted; no progress bar here")
     add_elastic_args(p)
+    add_tensorboard_args(p)
     args = p.parse_args(argv)
     if args.data_seed is None:  # a seed is a different split: what seeds vary for L-BFGS
         args.data_seed = args.seed
@@ -435,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
             appending = elastic.resume_run_log(resume)  # rank 0: cut the log back to the save
         except (ElasticStateMismatch, CheckpointError) as e:
             raise SystemExit(f"--elastic-dir: {e}") from None
-    logger = RunLogger(args.run_log, enabled=env.is_main, mode="a" if appending else "w")
+    logger = RunLogger(args.run_log, enabled=env.is_main, mode="a" if appending else "w",
+                       tensorboard=args.tensorboard)  # fmt: skip
     if not appending:
         logger.write(make_header(command, args.seed, env.world_size, _header_config(args)))
     n, d = data["X_train"].shape

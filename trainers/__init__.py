@@ -17,7 +17,9 @@ from .comm import (
 )
 from .data import SeededDataset, ShardedSampler, derive_seed
 from .dist import DistEnv
+from .ema import EMAConfig, ModelEMA
 from .logs import PhasedRunLogger, RunLogger, format_metrics, make_header, progress_bar
+from .tensorboard import TensorBoardSink
 from .trainer import Trainer, TrainerConfig
 
 __all__ = [
@@ -28,11 +30,14 @@ __all__ = [
     "AverageCombiner",
     "CheckpointError",
     "DistEnv",
+    "EMAConfig",
     "GradCombiner",
+    "ModelEMA",
     "PhasedRunLogger",
     "RunLogger",
     "SeededDataset",
     "ShardedSampler",
+    "TensorBoardSink",
     "Trainer",
     "TrainerConfig",
     "create_combiner",

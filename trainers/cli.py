@@ -3,13 +3,17 @@
 Each script calls :func:`add_optimizer_args`, :func:`add_schedule_args` and
 :func:`add_distributed_args` on its parser, then :func:`build_optimizer`,
 :func:`build_schedule` and :func:`build_combiner` with the parsed namespace, so a flag added
-here (a new optimizer's hyperparameter, a new gradient combiner) reaches every script.
+here (a new optimizer's hyperparameter, a new gradient combiner) reaches every script. The
+same goes for what users reach for while training: :func:`add_tensorboard_args`
+(``--tensorboard``), :func:`add_ema_args` (``--model-ema``, :func:`build_ema`) and
+:func:`add_gradient_checkpointing_args` (``--gradient-checkpointing``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import types
 import typing
@@ -22,6 +26,7 @@ from torch import nn
 from .comm import GradCombiner, combiner_class, create_combiner, list_combiners
 from .config import CombinerConfig, ElasticConfig, OptimizerConfig, ScheduleConfig
 from .dist import DistEnv
+from .ema import DEFAULT_DECAY, EMAConfig, ModelEMA
 from .optim import create_optimizer, list_optimizers, optimizer_accepts
 from .schedules import SCHEDULE_MODES, LRSchedule
 
@@ -31,15 +36,20 @@ __all__ = [
     "ArgumentParser",
     "add_distributed_args",
     "add_elastic_args",
+    "add_ema_args",
+    "add_gradient_checkpointing_args",
     "add_optimizer_args",
     "add_schedule_args",
+    "add_tensorboard_args",
     "build_combiner",
     "build_elastic",
+    "build_ema",
     "build_optimizer",
     "build_schedule",
     "combiner_config",
     "combiner_flags",
     "elastic_config",
+    "ema_config",
     "optimizer_config",
     "run_configs",
     "schedule_config",
@@ -563,8 +573,8 @@ def run_configs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
     """The typed configs of every flag group the script added, for the run-log header.
 
     ``optimizer`` (with :func:`add_optimizer_args`), ``schedule`` (:func:`add_schedule_args`),
-    ``combiner`` (:func:`add_distributed_args`), ``elastic`` (with ``--elastic-dir``), plus
-    ``more`` (e.g. ``run=TrainerConfig(...)``).
+    ``combiner`` (:func:`add_distributed_args`), ``elastic`` (with ``--elastic-dir``),
+    ``ema`` (with ``--model-ema``), plus ``more`` (e.g. ``run=TrainerConfig(...)``).
     """
     configs: dict[str, Any] = {}
     if hasattr(args, "optimizer") and hasattr(args, "beta1"):
@@ -575,5 +585,114 @@ def run_configs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
         configs["combiner"] = combiner_config(args)
     if hasattr(args, "elastic_dir"):
         configs["elastic"] = elastic_config(args)
+    if hasattr(args, "model_ema"):
+        configs["ema"] = ema_config(args)
     configs.update(more)
     return {k: v for k, v in configs.items() if v is not None}
+
+
+# ---- while training: TensorBoard, weight averaging, activation memory ------------------------
+def _tensorboard_dir(text: str) -> str:
+    """``--tensorboard DIR`` (argparse type): refused at once when the package is missing."""
+    from .tensorboard import INSTALL_HINT, require_tensorboard  # noqa: PLC0415 (optional)
+
+    try:
+        require_tensorboard()
+    except ImportError:
+        raise argparse.ArgumentTypeError(
+            f"the tensorboard package is not installed: {INSTALL_HINT}"
+        ) from None
+    return text
+
+
+def add_tensorboard_args(parser: argparse.ArgumentParser) -> None:
+    """``--tensorboard DIR``: the run log's records as TensorBoard scalars
+    (:mod:`trainers.tensorboard`); pass ``args.tensorboard`` to ``RunLogger(tensorboard=)``."""
+    g = parser.add_argument_group("TensorBoard (docs/training.md)")
+    g.add_argument(
+        "--tensorboard",
+        type=_tensorboard_dir,
+        default=None,
+        metavar="DIR",
+        help="also write the run log's numbers (loss, lr, metrics, speed, bytes sent, "
+        "evaluations) as TensorBoard scalars to DIR, at the global step (rank 0; needs "
+        'pip install "modelzoo-trainers-pt[tensorboard]")',
+    )
+
+
+def _ema_decay(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(
+            f"expected a decay in [0, 1) (timm's default {DEFAULT_DECAY}), got {text!r}"
+        )
+    return value
+
+
+def add_ema_args(parser: argparse.ArgumentParser) -> None:
+    """``--model-ema``, ``--model-ema-decay``, ``--model-ema-warmup`` (timm's flags and
+    default); the script builds the hook with :func:`build_ema`."""
+    g = parser.add_argument_group("weight averaging (docs/training.md)")
+    g.add_argument(
+        "--model-ema",
+        action="store_true",
+        help="keep an exponential moving average of the weights, updated after every "
+        "optimizer step, checkpointed, and evaluated after each evaluation (ema_ metrics in "
+        "the run log and the end record)",
+    )
+    g.add_argument(
+        "--model-ema-decay",
+        type=_ema_decay,
+        default=DEFAULT_DECAY,
+        help="EMA decay d: w_ema = d w_ema + (1 - d) w (about 1 / (1 - d) steps; timm's default)",
+    )
+    g.add_argument(
+        "--model-ema-warmup",
+        action="store_true",
+        help="timm's EMA warmup: decay min(d, 1 - t^(-2/3)) at update t",
+    )
+
+
+def ema_config(args: argparse.Namespace) -> EMAConfig | None:
+    """The :class:`~trainers.ema.EMAConfig` of parsed :func:`add_ema_args` flags (None
+    without ``--model-ema``)."""
+    if not getattr(args, "model_ema", False):
+        return None
+    return EMAConfig(decay=args.model_ema_decay, warmup=bool(args.model_ema_warmup))
+
+
+def build_ema(
+    args: argparse.Namespace,
+    model: nn.Module,
+    *,
+    eval_dataset: Any = None,
+    collate_fn: Any = None,
+    on_evaluated: Any = None,
+) -> ModelEMA | None:
+    """The :class:`~trainers.ema.ModelEMA` hook of parsed flags (None without
+    ``--model-ema``); add it to the Trainer's hooks after the script's own hooks."""
+    config = ema_config(args)
+    if config is None:
+        return None
+    return ModelEMA(
+        model,
+        decay=config.decay,
+        warmup=config.warmup,
+        eval_dataset=eval_dataset,
+        collate_fn=collate_fn,
+        on_evaluated=on_evaluated,
+    )
+
+
+def add_gradient_checkpointing_args(parser: argparse.ArgumentParser) -> None:
+    """``--gradient-checkpointing`` (transformers: recompute each layer in the backward)."""
+    g = parser.add_argument_group("activation memory (docs/training.md)")
+    g.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each transformer layer's activations in the backward instead of "
+        "keeping them: less memory for about one more forward pass; the same gradients",
+    )

@@ -201,6 +201,12 @@ class RunLogger:
         mode: ``"w"`` starts a new log, ``"a"`` appends (e.g. after a restart).
         step_line: the console line of a ``step`` record (default GluonCV's; e.g.
             :func:`gluonnlp_step_line`); only the console changes, never the record.
+        tensorboard: also write the records as TensorBoard scalars to this directory
+            (``--tensorboard``, :class:`trainers.tensorboard.TensorBoardSink`); checked on
+            every rank (a missing ``tensorboard`` package raises ImportError everywhere),
+            written on rank 0 only.
+
+    Sinks (:meth:`add_sink`) get every record the logger writes, after the JSONL file.
     """
 
     def __init__(
@@ -212,9 +218,15 @@ class RunLogger:
         logging_file: str | os.PathLike[str] | None = None,
         mode: str = "w",
         step_line: Callable[[Mapping[str, Any]], str] | None = None,
+        tensorboard: str | os.PathLike[str] | None = None,
     ) -> None:
         if mode not in ("w", "a"):
             raise ValueError(f"mode must be 'w' or 'a', got {mode!r}")
+        self._sinks: list[Any] = []
+        if tensorboard is not None:
+            from .tensorboard import TensorBoardSink, require_tensorboard
+
+            require_tensorboard()  # every rank fails alike, before any file is opened
         self.enabled = enabled
         self.step_line = step_line
         self.console = console and enabled
@@ -227,17 +239,30 @@ class RunLogger:
         if enabled and logging_file is not None:
             Path(logging_file).parent.mkdir(parents=True, exist_ok=True)
             self._console_file = open(logging_file, "a", encoding="utf-8")  # noqa: SIM115
+        if enabled and tensorboard is not None:
+            self.add_sink(TensorBoardSink(tensorboard))
+
+    def add_sink(self, sink: Any) -> None:
+        """Forward every record from now on to ``sink.write(record)`` (plain JSON values, as
+        in the file); ``sink.close()`` is called by :meth:`close`. Ignored when the logger is
+        disabled: create sinks on rank 0 only."""
+        if self.enabled:
+            self._sinks.append(sink)
 
     # -- low level ----------------------------------------------------------------------------
     def write(self, record: Mapping[str, Any]) -> None:
-        """Append one JSON record (must have a ``kind``) and flush it."""
-        if self._file is None:
+        """Append one JSON record (must have a ``kind``) and flush it; then the sinks."""
+        if self._file is None and not self._sinks:
             return
         if "kind" not in record:
             raise ValueError(f"run-log records need a 'kind', got keys {sorted(record)}")
-        line = json.dumps(_to_json(dict(record)), allow_nan=False, separators=(", ", ": "))
-        self._file.write(line + "\n")
-        self._file.flush()
+        plain = _to_json(dict(record))
+        if self._file is not None:
+            line = json.dumps(plain, allow_nan=False, separators=(", ", ": "))
+            self._file.write(line + "\n")
+            self._file.flush()
+        for sink in self._sinks:
+            sink.write(plain)
 
     def info(self, line: str) -> None:
         """Print a console line (and tee it to the logging file)."""
@@ -255,6 +280,9 @@ class RunLogger:
             if f is not None:
                 f.close()
         self._file = self._console_file = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
     def __enter__(self) -> RunLogger:
         return self

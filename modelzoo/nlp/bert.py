@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..registry import register_model
 from ..weights import VocabFile, Weights
@@ -321,6 +322,8 @@ class BertModel(nn.Module):
     Shape:
         ``input_ids``, ``token_type_ids``, ``attention_mask`` ``(B, T)`` (mask: 1 for real
         tokens, 0 for padding; None: no padding). Output: :class:`BertOutput`.
+
+    :meth:`set_gradient_checkpointing` trades compute for memory in training (off by default).
     """
 
     def __init__(self, config: BertConfig, *, add_pooler: bool = True) -> None:
@@ -329,7 +332,22 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(config)
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_layers))
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if add_pooler else None
+        self.gradient_checkpointing = False  # a switch, not a parameter: state_dict unchanged
         self.reset_parameters()
+
+    def set_gradient_checkpointing(self, enabled: bool = True) -> BertModel:
+        """Recompute each layer's activations in the backward instead of keeping them.
+
+        In training mode (with autograd on) every layer's forward runs under
+        :func:`torch.utils.checkpoint.checkpoint` (``use_reentrant=False``): only the layer
+        inputs are kept, and the backward runs each layer's forward again, with the RNG state
+        of the first run, so dropout draws the same masks and the gradients are those without
+        checkpointing. Activation memory drops from every layer's intermediates to one
+        ``(B, T, C)`` tensor per layer, for about one more forward pass of compute.
+        Evaluation and ``torch.no_grad()`` are unaffected. Returns ``self``.
+        """
+        self.gradient_checkpointing = bool(enabled)
+        return self
 
     def reset_parameters(self) -> None:
         """BERT's initialization: weights N(0, initializer_range), zero biases, LayerNorm
@@ -347,8 +365,9 @@ class BertModel(nn.Module):
         mask = _attention_mask(attention_mask)
         x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
         states = [x] if output_hidden_states else None
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, mask)
+            x = checkpoint(layer, x, mask, use_reentrant=False) if recompute else layer(x, mask)
             if states is not None:
                 states.append(x)
         pooled = None
