@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 from torch import nn
 
 __all__ = [
@@ -133,6 +132,8 @@ class ImageClassificationPipeline(_Pipeline):
 
     def preprocess(self, image: Any) -> torch.Tensor:
         """One input -> the model's ``(3, H, W)`` tensor, decoded as the evaluation decodes."""
+        from PIL import Image
+
         from .vision.data import BadImageError, _decode_sample
 
         if isinstance(image, torch.Tensor):

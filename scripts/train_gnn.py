@@ -39,14 +39,18 @@ import modelzoo
 from modelzoo.fileio import atomic_write
 from modelzoo.graph import datasets as gdata
 from modelzoo.graph.sampler import NeighborSampler
+from modelzoo.graph.transforms import NodeFeatures
 from modelzoo.store import cache_root
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
 from trainers.cli import (
     ArgumentParser,
     add_distributed_args,
+    add_ema_args,
     add_optimizer_args,
     add_schedule_args,
+    add_tensorboard_args,
     build_combiner,
+    build_ema,
     build_optimizer,
     build_schedule,
     run_configs,
@@ -89,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_optimizer_args(p, default="adam", lr=0.01)
     add_schedule_args(p, default="constant")
     add_distributed_args(p)
+    add_ema_args(p)
+    add_tensorboard_args(p)
     p.set_defaults(wd=5e-4)
     o = p.add_argument_group("training")
     o.add_argument(
@@ -146,7 +152,7 @@ def load_dataset(args: argparse.Namespace) -> Any:
         if key not in data:
             raise SystemExit(f"dataset {name!r} has no {key}; a node split is needed to train")
     if args.normalize_features:
-        data.x = data.x / data.x.sum(dim=1, keepdim=True).clamp(min=1e-12)
+        data = NodeFeatures(normalize=True)(data)  # what the weights' transforms() apply
     return data
 
 
@@ -279,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = DistEnv.from_env()
     command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
-    logger = RunLogger(args.run_log, enabled=env.is_main)
+    logger = RunLogger(args.run_log, enabled=env.is_main, tensorboard=args.tensorboard)
     logger.write(make_header(command, args.seed, env.world_size, args, configs=run_configs(args)))
 
     loaded = load_dataset(args)
@@ -350,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         train_step=task.train_step, eval_step=task.eval_step,
         combiner=combiner, hooks=[stopper],
     )  # fmt: skip
+    ema = build_ema(args, model, eval_dataset=NodeItems(None), collate_fn=task.collate)
+    if ema is not None:
+        trainer.add_hook(ema)  # evaluated after each evaluation: ema_val_acc, ema_test_acc
 
     start = time.perf_counter()
     metrics = trainer.fit(train_set, eval_dataset=NodeItems(None), collate_fn=task.collate)

@@ -28,11 +28,61 @@ class NodeClassifier(nn.Module):
     only the first ``num_dst`` nodes from the first ``num_edges`` edges (nodes numbered by hop,
     edges sorted by target), as DGL's message-flow graphs do, and the output has the seeds'
     rows only. The result for those rows is the same; the outer hops' wasted work is skipped.
+
+    Layer by layer (:func:`modelzoo.graph.inference.layerwise_inference`): ``forward`` is
+    :meth:`layer_forward` applied for ``i = 0 .. num_message_passing_layers - 1``, each layer
+    with its activation and dropout, so a caller can run one layer over all nodes before the
+    next one, on bipartite blocks (targets first, ``size=(num_dst, num_edges)``) holding every
+    in-edge of their targets. :meth:`layerwise_edges` gives the edges those blocks are cut from
+    (GCN: with its self-loops and the whole graph's normalisation as ``edge_weight``).
     """
 
     in_channels: int
     num_classes: int
     supports_layer_sizes = False
+
+    @property
+    def num_message_passing_layers(self) -> int:
+        """Message-passing layers in all, the head included (the builders' ``num_layers``)."""
+        return len(self.convs) + 1
+
+    def layer(self, index: int) -> nn.Module:
+        """Layer ``index``: ``convs[index]``, or ``head`` for the last one."""
+        if not 0 <= index < self.num_message_passing_layers:
+            raise IndexError(
+                f"{type(self).__name__} has {self.num_message_passing_layers} layers; "
+                f"no layer {index}"
+            )
+        return self.head if index == len(self.convs) else self.convs[index]
+
+    def layer_forward(
+        self,
+        index: int,
+        x: torch.Tensor,
+        edge_index: torch.Tensor,
+        *,
+        size: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Layer ``index`` with what follows it (activation, dropout) up to the next layer.
+
+        Args:
+            index: The layer, ``0 .. num_message_passing_layers - 1``.
+            x: ``(N_src, C_in)`` the layer's input rows.
+            edge_index: ``(2, E)`` edges among the rows of ``x``, sorted by target.
+            size: ``(num_dst, num_edges)``: compute only the first ``num_dst`` rows from the
+                first ``num_edges`` edges (:func:`bipartite`); ``None``: every row.
+
+        Returns:
+            ``(N_dst, C_out)``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not define layer_forward")
+
+    def layerwise_edges(
+        self, edge_index: torch.Tensor, num_nodes: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The whole graph's edges for layer-wise inference, and per-edge keyword inputs of
+        :meth:`layer_forward` (sliced with the edges). Default: the edges as given, none."""
+        return edge_index, {}
 
     def _check_layer_sizes(
         self, layer_sizes: Sequence[tuple[int, int]] | None
@@ -88,6 +138,8 @@ def published(
     paper: str,
     dataset: str,
     classifier: str = "head",
+    labels: Sequence[str] | None = None,
+    normalize_features: bool = False,
 ) -> Weights:
     """Weights trained by ``scripts/train_gnn.py`` here and shipped inside the package.
 
@@ -95,8 +147,16 @@ def published(
     with ``weights_only=True``); ``log`` is its published run log (seed 0 of the recipe, for
     the recipes published over seeds), and ``command`` rebuilds it bit for bit on the processor
     model that log's fingerprint names, under its recorded threads and ISA pins
-    (``scripts/reproduce.py`` re-applies them).
+    (``scripts/reproduce.py`` re-applies them). ``labels`` are the class names in the order of
+    the logits (the dataset's ``class_names``); ``normalize_features`` says the run used
+    ``--normalize-features`` (:meth:`Weights.transforms` then row-normalizes).
     """
+    if normalize_features != ("--normalize-features" in command.split()):
+        raise ValueError(
+            f"published({name!r}): normalize_features={normalize_features} but the recipe "
+            f"{'does not pass' if normalize_features else 'passes'} --normalize-features; the "
+            "weights' transforms() must be the features the run trained on"
+        )
     return Weights(
         url=f"{PACKAGE_WEIGHTS}/{name}-{sha256[:8]}.pth",
         hash_prefix=sha256,
@@ -109,6 +169,8 @@ def published(
         license="Apache-2.0",
         classifier=classifier,
         modality="graph",
+        labels=None if labels is None else tuple(labels),
+        normalize_features=normalize_features,
         recipe={"command": command, "log": log, "paper": paper},
         tags={"dataset": dataset},
     )

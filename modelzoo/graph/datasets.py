@@ -18,11 +18,16 @@
 Nothing is downloaded unless asked (``download=True``): a missing dataset raises
 :class:`DatasetNotFoundError` saying which files to place where. Every graph comes back as a
 ``torch_geometric.data.Data`` with ``x``, ``edge_index`` (both directions of every
-undirected edge, sorted by target), ``y`` and boolean ``train_mask``/``val_mask``/``test_mask``.
+undirected edge, sorted by target), ``y`` and boolean ``train_mask``/``val_mask``/``test_mask``;
+where the source names its classes, ``class_names`` holds them in the order of ``y``
+(karate club, SBM, OGB's ``mapping/labelidx2*.csv.gz``, an ``.npz``'s ``class_names``). The
+Planetoid files carry no class names (their labels are one-hot columns), so those graphs
+have none.
 """
 
 from __future__ import annotations
 
+import csv
 import gzip
 import io
 import os
@@ -38,13 +43,20 @@ import torch
 
 from ..store import DownloadError, cache_root, download_to
 from ._graph_data import _data, _index_mask
-from .synthetic import SBM_GRAPH_CLASSES, sbm_graph, sbm_graph_classification
+from .synthetic import (
+    SBM_GRAPH_CLASS_NAMES,
+    SBM_GRAPH_CLASSES,
+    sbm_block_names,
+    sbm_graph,
+    sbm_graph_classification,
+)
 
 __all__ = [
     "DatasetError",
     "DatasetNotFoundError",
     "KARATE_CLUB_EDGES",
     "KARATE_CLUB_LABELS",
+    "KARATE_CLUB_NAMES",
     "OGB_URL",
     "PLANETOID_NAMES",
     "PLANETOID_URL",
@@ -58,6 +70,8 @@ __all__ = [
     "load_planetoid",
     "restricted_unpickle",
     "SBM_GRAPH_CLASSES",
+    "SBM_GRAPH_CLASS_NAMES",
+    "sbm_block_names",
     "sbm_graph",
     "sbm_graph_classification",
 ]
@@ -99,6 +113,8 @@ KARATE_CLUB_LABELS = (
     0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 0, 1, 0, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1,
     1, 1, 1, 1,
 )  # fmt: skip
+#: Class names in the order of :data:`KARATE_CLUB_LABELS` (networkx's ``"club"`` attribute).
+KARATE_CLUB_NAMES = ("Mr. Hi", "Officer")
 #: The semi-supervised split: 3 labelled members per club (the two leaders among them),
 #: 6 for validation, the other 22 held out.
 KARATE_TRAIN = (0, 1, 2, 33, 32, 31)
@@ -110,14 +126,17 @@ def karate_club() -> Any:
 
     Returns:
         A ``Data`` with ``x`` ``(34, 34)`` (identity), ``edge_index`` ``(2, 156)``, ``y`` the
-        club (0: Mr. Hi, 1: Officer) and masks of 6 train / 6 val / 22 test nodes.
+        club (0: Mr. Hi, 1: Officer), masks of 6 train / 6 val / 22 test nodes and
+        ``class_names`` :data:`KARATE_CLUB_NAMES`.
     """
     edges = torch.tensor(KARATE_CLUB_EDGES, dtype=torch.long).t()
     y = torch.tensor(KARATE_CLUB_LABELS, dtype=torch.long)
     train = _index_mask(torch.tensor(KARATE_TRAIN), 34)
     val = _index_mask(torch.tensor(KARATE_VAL), 34)
     masks = {"train_mask": train, "val_mask": val, "test_mask": ~(train | val)}
-    return _data(torch.eye(34), edges, y, masks)
+    data = _data(torch.eye(34), edges, y, masks)
+    data.class_names = KARATE_CLUB_NAMES
+    return data
 
 
 # --------------------------------------------------------------------------------- Planetoid
@@ -363,6 +382,11 @@ def load_ogb_node(
         to_undirected: Add reverse edges (DGL/PyG do for products; arxiv is symmetrized too
             in their examples).
 
+    Returns:
+        A ``Data`` with the split's masks, and ``class_names`` when the dataset folder has
+        OGB's ``mapping/labelidx2<what>.csv.gz`` (label index -> category, e.g. ogbn-arxiv's
+        ``"arxiv cs na"``).
+
     Raises:
         DatasetNotFoundError: Files missing (the message lists the layout to place).
         DatasetError: A malformed file (path and line).
@@ -409,8 +433,44 @@ def load_ogb_node(
             raise DatasetError(f"{path}: node {index.max()} is out of range for {n} nodes")
         masks[key] = _index_mask(torch.from_numpy(index), n)
     edge_index = torch.from_numpy(edges).t().contiguous()
-    return _data(torch.from_numpy(x), edge_index, torch.from_numpy(y), masks,
+    data = _data(torch.from_numpy(x), edge_index, torch.from_numpy(y), masks,
                  undirected=to_undirected)  # fmt: skip
+    names = _ogb_class_names(root, int(y.max()) + 1 if y.size else 0)
+    if names is not None:
+        data.class_names = names
+    return data
+
+
+def _ogb_class_names(root: Path, num_classes: int) -> tuple[str, ...] | None:
+    """The names in ``mapping/labelidx2*.csv.gz`` (header, then ``index,name`` rows)."""
+    files = sorted((root / "mapping").glob("labelidx2*.csv*"))
+    if len(files) != 1:
+        return None
+    path = files[0]
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8", newline="") as f:
+            rows = [r for r in csv.reader(f) if r]
+    except (OSError, EOFError, UnicodeDecodeError, csv.Error) as e:
+        raise DatasetError(f"{path}: cannot read it ({type(e).__name__}: {e})") from e
+    if rows and not rows[0][0].strip().lstrip("-").isdigit():
+        rows = rows[1:]  # the header, "label idx,<what> category"
+    names: dict[int, str] = {}
+    for lineno, row in enumerate(rows, 2):
+        if len(row) < 2 or not row[0].strip().isdigit():
+            raise DatasetError(f"{path}:{lineno}: expected 'label index,name', got {row!r}")
+        names[int(row[0])] = row[1].strip()
+    if sorted(names) != list(range(len(names))):
+        raise DatasetError(
+            f"{path}: the label indices must be 0, 1, ... without gaps or repeats; got "
+            f"{len(rows)} rows with indices {sorted(names)[:8]}..."
+        )
+    if len(names) < num_classes:
+        raise DatasetError(
+            f"{path}: {len(names)} class names, but node-label.csv.gz has {num_classes} "
+            "classes; give one name per class"
+        )
+    return tuple(names[i] for i in range(len(names)))
 
 
 # ------------------------------------------------------------------------- edge lists, npz
@@ -454,7 +514,8 @@ def load_edge_list(
 
 def load_npz_graph(path: str | os.PathLike[str], *, undirected: bool = True) -> Any:
     """A graph in an ``.npz``: ``edge_index`` ``(2, E)`` (or ``edges`` ``(E, 2)``), ``x``,
-    ``y`` and optionally boolean ``train_mask``/``val_mask``/``test_mask``.
+    ``y`` and optionally boolean ``train_mask``/``val_mask``/``test_mask`` and a string array
+    ``class_names`` (one per class, in the order of ``y``; becomes ``data.class_names``).
 
     Raises:
         DatasetNotFoundError: No such file.
@@ -492,8 +553,22 @@ def load_npz_graph(path: str | os.PathLike[str], *, undirected: bool = True) -> 
                     f"{path}: {key!r} must have shape ({n},), got {arrays[key].shape}"
                 )
             masks[key] = torch.from_numpy(arrays[key].astype(bool))
-    return _data(torch.from_numpy(x.astype(np.float32)), torch.from_numpy(edges.astype(np.int64)),
+    names = arrays.get("class_names")
+    if names is not None and (names.ndim != 1 or names.dtype.kind not in "US"):
+        raise DatasetError(
+            f"{path}: 'class_names' must be a 1-D array of strings, got {names.dtype} "
+            f"shape {names.shape}"
+        )
+    if names is not None and y.size and names.shape[0] <= int(y.max()):
+        raise DatasetError(
+            f"{path}: {names.shape[0]} 'class_names' for labels up to {int(y.max())}; give "
+            "one name per class"
+        )
+    data = _data(torch.from_numpy(x.astype(np.float32)), torch.from_numpy(edges.astype(np.int64)),
                  torch.from_numpy(y.astype(np.int64)), masks, undirected=undirected)  # fmt: skip
+    if names is not None:
+        data.class_names = tuple(str(n) for n in names)
+    return data
 
 
 # -------------------------------------------------------------------------------- download

@@ -23,6 +23,8 @@ from torch import nn
 
 from ..registry import register_model
 from ._common import NodeClassifier, bipartite, check_dropout, check_positive, published
+from .datasets import KARATE_CLUB_NAMES
+from .synthetic import sbm_block_names
 
 __all__ = ["GAT"]
 
@@ -93,14 +95,27 @@ class GAT(NodeClassifier):
         layer_sizes: Sequence[tuple[int, int]] | None = None,
     ) -> torch.Tensor:
         sizes = self._check_layer_sizes(layer_sizes)
-        for conv, size in zip(self.convs, sizes[:-1], strict=True):
-            x = F.dropout(x, self.dropout, training=self.training)
-            inputs, edges = bipartite(x, edge_index, size)
-            x = conv(inputs, edges)  # (N_dst, heads * hidden)
-            x = F.elu(x)
+        for index, size in enumerate(sizes):
+            x = self.layer_forward(index, x, edge_index, size=size)  # (N_dst, heads * hidden)
+        return x  # (N_dst, num_classes)
+
+    def layer_forward(
+        self,
+        index: int,
+        x: torch.Tensor,
+        edge_index: torch.Tensor,
+        *,
+        size: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Dropout, then one GAT layer (ELU after the hidden ones); see
+        :meth:`NodeClassifier.layer_forward`. The attention softmax runs over each target's
+        in-edges plus its self-loop, so a block with all of them gives the whole graph's."""
         x = F.dropout(x, self.dropout, training=self.training)
-        inputs, edges = bipartite(x, edge_index, sizes[-1])
-        return self.head(inputs, edges)  # (N_dst, num_classes)
+        inputs, edges = bipartite(x, edge_index, size)
+        x = self.layer(index)(inputs, edges)  # (N_dst, heads * hidden)
+        if index < len(self.convs):
+            x = F.elu(x)
+        return x
 
 
 # --------------------------------------------------------------------------- published weights
@@ -116,6 +131,7 @@ _KARATE = published(
     log="logs/karate_gat/seed0.jsonl",
     paper=_PAPER,
     dataset="karate club (built in)",
+    labels=KARATE_CLUB_NAMES,
 )
 _SBM = published(
     "gat_sbm",
@@ -128,6 +144,7 @@ _SBM = published(
     log="logs/sbm_gat/seed0.jsonl",
     paper=_PAPER,
     dataset="synthetic SBM, 100k nodes (datasets.sbm_graph)",
+    labels=sbm_block_names(8),
 )
 
 

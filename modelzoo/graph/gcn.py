@@ -20,6 +20,8 @@ from torch import nn
 
 from ..registry import register_model
 from ._common import NodeClassifier, check_dropout, check_positive, published
+from .datasets import KARATE_CLUB_NAMES
+from .synthetic import sbm_block_names
 
 __all__ = ["GCN"]
 
@@ -75,11 +77,67 @@ class GCN(NodeClassifier):
             conv.reset_parameters()
 
     def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
-        for conv in self.convs:
-            x = conv(x, edge_index)  # (N, hidden)
+        for index in range(self.num_message_passing_layers):
+            x = self.layer_forward(index, x, edge_index)  # (N, hidden), last (N, num_classes)
+        return x
+
+    def layer_forward(
+        self,
+        index: int,
+        x: torch.Tensor,
+        edge_index: torch.Tensor,
+        *,
+        size: tuple[int, int] | None = None,
+        edge_weight: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One graph convolution (ReLU and dropout after the hidden ones).
+
+        ``D^-1/2 (A + I) D^-1/2`` needs every source's degree in the whole graph, which a
+        block does not have: with ``size`` (a block), pass ``edge_weight``, the normalized
+        weights of :meth:`layerwise_edges`' edges (self-loops included), and the layer
+        computes ``sum_j w_ji (x_j W) + b`` over them. Without ``edge_weight`` it is
+        ``GCNConv``'s own forward on a whole graph.
+        """
+        conv = self.layer(index)
+        if edge_weight is None:
+            if size is not None:
+                raise ValueError(
+                    "GCN.layer_forward: a bipartite block (size=...) needs edge_weight, the "
+                    "whole graph's normalisation from GCN.layerwise_edges; a block's own "
+                    "degrees are not the graph's"
+                )
+            x = conv(x, edge_index)  # (N, out)
+        else:
+            num_dst, num_edges = (x.size(0), edge_index.size(1)) if size is None else size
+            h = conv.lin(x)  # (N_src, out)
+            edges, weight = edge_index[:, :num_edges], edge_weight[:num_edges]
+            x = conv.propagate(edges, x=h, edge_weight=weight, size=(x.size(0), num_dst))
+            if conv.bias is not None:
+                x = x + conv.bias  # (N_dst, out)
+        if index < len(self.convs):
             x = F.relu(x)
             x = F.dropout(x, self.dropout, training=self.training)
-        return self.head(x, edge_index)  # (N, num_classes)
+        return x
+
+    def layerwise_edges(
+        self, edge_index: torch.Tensor, num_nodes: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The edges with ``GCNConv``'s self-loops and their weights ``d_j^-1/2 d_i^-1/2``,
+        computed on the whole graph as ``GCNConv`` does (every layer shares them)."""
+        from torch_geometric.nn.conv.gcn_conv import gcn_norm
+
+        conv = self.head
+        layers = (*self.convs, self.head)
+        settings = {(c.improved, c.add_self_loops, c.normalize, c.flow) for c in layers}
+        if len(settings) != 1 or not conv.normalize or conv.flow != "source_to_target":
+            raise ValueError(
+                "GCN: layer-wise inference needs every GCNConv normalized the same way, with "
+                "normalize=True and flow='source_to_target'; got (improved, add_self_loops, "
+                f"normalize, flow) = {sorted(settings)}"
+            )
+        edges, weight = gcn_norm(edge_index, None, num_nodes, conv.improved,
+                                 conv.add_self_loops, conv.flow, dtype)  # fmt: skip
+        return edges, {"edge_weight": weight}
 
 
 # --------------------------------------------------------------------------- published weights
@@ -95,6 +153,7 @@ _KARATE = published(
     log="logs/karate_gcn/seed0.jsonl",
     paper=_PAPER,
     dataset="karate club (built in)",
+    labels=KARATE_CLUB_NAMES,
 )
 _SBM = published(
     "gcn_sbm",
@@ -107,6 +166,7 @@ _SBM = published(
     log="logs/sbm_gcn/seed0.jsonl",
     paper=_PAPER,
     dataset="synthetic SBM, 100k nodes (datasets.sbm_graph)",
+    labels=sbm_block_names(8),
 )
 
 

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..registry import register_model
-from ._common import check_choice, check_dropout, check_positive, published
+from ._common import bipartite, check_choice, check_dropout, check_positive, published
+from .synthetic import SBM_GRAPH_CLASS_NAMES
 
 __all__ = ["GIN", "READOUTS"]
 
@@ -111,16 +112,41 @@ class GIN(nn.Module):
         if num_graphs is None:
             num_graphs = int(batch.max()) + 1 if batch.numel() else 0
         hidden = [x]
-        for conv, norm in zip(self.convs, self.norms, strict=True):
-            x = conv(x, edge_index)  # (N, hidden)
-            x = norm(x)
-            x = F.relu(x)
+        for index in range(self.num_message_passing_layers):
+            x = self.layer_forward(index, x, edge_index)  # (N, hidden)
             hidden.append(x)
         score = 0
-        for h, head in zip(hidden, self.heads, strict=True):
-            pooled = self._pool(h, batch, num_graphs)  # (G, width)
-            score = score + F.dropout(head(pooled), self.dropout, training=self.training)
+        for index, h in enumerate(hidden):
+            score = score + self.layer_readout(index, h, batch, num_graphs)
         return score  # (G, num_classes)
+
+    @property
+    def num_message_passing_layers(self) -> int:
+        """GIN layers (``num_layers - 1``: the builders' ``num_layers`` counts the input)."""
+        return len(self.convs)
+
+    def layer_forward(
+        self,
+        index: int,
+        x: torch.Tensor,
+        edge_index: torch.Tensor,
+        *,
+        size: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """GIN layer ``index`` with its batch norm and ReLU; ``size`` as in
+        :meth:`modelzoo.graph._common.NodeClassifier.layer_forward` (a bipartite block)."""
+        inputs, edges = bipartite(x, edge_index, size)
+        x = self.convs[index](inputs, edges)  # (N_dst, hidden)
+        x = self.norms[index](x)
+        return F.relu(x)
+
+    def layer_readout(
+        self, index: int, h: torch.Tensor, batch: torch.Tensor, num_graphs: int
+    ) -> torch.Tensor:
+        """The class scores of representation ``index`` (0: the input, ``i``: layer
+        ``i - 1``'s output): pooled per graph, through its own linear head, dropout."""
+        pooled = self._pool(h, batch, num_graphs)  # (G, width)
+        return F.dropout(self.heads[index](pooled), self.dropout, training=self.training)
 
 
 # --------------------------------------------------------------------------- published weights
@@ -137,6 +163,7 @@ _SBM = published(
     paper=_PAPER,
     dataset="synthetic SBM graphs, 2500 graphs (datasets.sbm_graph_classification)",
     classifier="heads",
+    labels=SBM_GRAPH_CLASS_NAMES,
 )
 
 

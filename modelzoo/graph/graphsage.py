@@ -31,6 +31,8 @@ from ._common import (
     check_positive,
     published,
 )
+from .datasets import KARATE_CLUB_NAMES
+from .synthetic import sbm_block_names
 
 __all__ = ["AGGREGATORS", "GraphSAGE"]
 
@@ -106,13 +108,26 @@ class GraphSAGE(NodeClassifier):
         layer_sizes: Sequence[tuple[int, int]] | None = None,
     ) -> torch.Tensor:
         sizes = self._check_layer_sizes(layer_sizes)
-        for conv, size in zip(self.convs, sizes[:-1], strict=True):
-            inputs, edges = bipartite(x, edge_index, size)
-            x = conv(inputs, edges)  # (N_dst, hidden)
+        for index, size in enumerate(sizes):
+            x = self.layer_forward(index, x, edge_index, size=size)  # (N_dst, hidden)
+        return x  # (N_dst, num_classes)
+
+    def layer_forward(
+        self,
+        index: int,
+        x: torch.Tensor,
+        edge_index: torch.Tensor,
+        *,
+        size: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """One SAGE layer (ReLU and dropout after the hidden ones); see
+        :meth:`NodeClassifier.layer_forward`."""
+        inputs, edges = bipartite(x, edge_index, size)
+        x = self.layer(index)(inputs, edges)  # (N_dst, out)
+        if index < len(self.convs):
             x = F.relu(x)
             x = F.dropout(x, self.dropout, training=self.training)
-        inputs, edges = bipartite(x, edge_index, sizes[-1])
-        return self.head(inputs, edges)  # (N_dst, num_classes)
+        return x
 
 
 # --------------------------------------------------------------------------- published weights
@@ -128,6 +143,7 @@ _KARATE = published(
     log="logs/karate_graphsage_mean/seed0.jsonl",
     paper=_PAPER,
     dataset="karate club (built in)",
+    labels=KARATE_CLUB_NAMES,
 )
 _SBM = published(
     "graphsage_mean_sbm",
@@ -140,6 +156,7 @@ _SBM = published(
     log="logs/sbm_graphsage_mean/seed0.jsonl",
     paper=_PAPER,
     dataset="synthetic SBM, 100k nodes (datasets.sbm_graph)",
+    labels=sbm_block_names(8),
 )
 
 

@@ -10,10 +10,21 @@ import torch
 
 from ._graph_data import _coalesce, _data, _index_mask
 
-__all__ = ["SBM_GRAPH_CLASSES", "sbm_graph", "sbm_graph_classification"]
+__all__ = [
+    "SBM_GRAPH_CLASSES",
+    "SBM_GRAPH_CLASS_NAMES",
+    "sbm_block_names",
+    "sbm_graph",
+    "sbm_graph_classification",
+]
 
 
 # ------------------------------------------------------------------------------- synthetic
+def sbm_block_names(num_blocks: int) -> tuple[str, ...]:
+    """Class names of :func:`sbm_graph`'s labels: ``y == b`` is block ``b``, ``"block b"``."""
+    return tuple(f"block {b}" for b in range(num_blocks))
+
+
 def _split_masks(
     num_nodes: int, fractions: Sequence[float], generator: torch.Generator
 ) -> dict[str, torch.Tensor]:
@@ -68,7 +79,8 @@ def sbm_graph(
     The graph depends only on the arguments (CPU generator seeded with ``seed``).
 
     Returns:
-        A ``Data`` with random ``split`` train/val/test masks.
+        A ``Data`` with random ``split`` train/val/test masks and ``class_names``
+        (:func:`sbm_block_names`).
     """
     if num_blocks < 2 or num_nodes < num_blocks:
         raise ValueError(
@@ -81,11 +93,18 @@ def sbm_graph(
     edges = _planted_edges(blocks, num_blocks, int(num_nodes * avg_degree / 2), p_intra, g)
     mu = torch.randn(num_blocks, num_features, generator=g)
     x = feature_signal * mu[blocks] + torch.randn(num_nodes, num_features, generator=g)
-    return _data(x, edges, blocks, _split_masks(num_nodes, split, g))
+    data = _data(x, edges, blocks, _split_masks(num_nodes, split, g))
+    data.class_names = sbm_block_names(num_blocks)
+    return data
 
 
 #: Graph classes of :func:`sbm_graph_classification`: (blocks, average degree, p_intra).
 SBM_GRAPH_CLASSES = ((1, 2.5, 1.0), (2, 5.0, 0.9), (4, 10.0, 0.8))
+#: Class names of :func:`sbm_graph_classification`'s labels, from :data:`SBM_GRAPH_CLASSES`.
+SBM_GRAPH_CLASS_NAMES = tuple(
+    f"{k} block{'s' if k > 1 else ''} (avg degree {d:g}, p_intra {p:g})"
+    for k, d, p in SBM_GRAPH_CLASSES
+)
 
 
 def sbm_graph_classification(

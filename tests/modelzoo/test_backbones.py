@@ -129,6 +129,7 @@ def test_gluoncv_weights_give_gluoncv_logits_through_the_backbone(tmp_path):
         archive_member=f"tiny-{sha1[:8]}.params",
         hash_prefix=sha1[:8],
         num_classes=cfg["classes"],
+        labels=None,  # a tiny fixture model, not ImageNet's 1000 classes
     )
 
     def tiny_gluon(*, num_classes: int = 10) -> ResNeSt:

@@ -80,6 +80,7 @@ def test_gluoncv_zip_served_over_http_gives_gluoncv_logits(monkeypatch):
             archive_member=f"tiny-{sha1[:8]}.params",
             hash_prefix=sha1[:8],
             num_classes=cfg["classes"],
+            labels=None,  # a tiny fixture model, not ImageNet's 1000 classes
         )
         model = ResNeSt(
             cfg["layers"], num_classes=cfg["classes"], radix=cfg["radix"],
