@@ -223,7 +223,9 @@ def save_artifact(
     Args:
         directory: the folder to create (its parent is created if needed).
         model: the trained model (a bare module, not DDP).
-        model_name: its registry name: :meth:`Artifact.build` calls that builder.
+        model_name: its registry name: :meth:`Artifact.build` calls that builder (BERT is
+            rebuilt from the Hugging Face ``config.json`` written beside the weights, so a
+            model configured by its sizes may say ``"bert"``).
         model_kwargs: the builder options that give ``model``'s parameters
             (``num_classes``, ``in_channels``, ``head``, ...).
         task: one of :data:`TASKS`.
@@ -279,9 +281,10 @@ def save_artifact(
         "metrics": _jsonable(dict(metrics or {}), "save_artifact: metrics"),
         "source": _jsonable(dict(source or {}), "save_artifact: source"),
     }
-    from .registry import get_model_entry
+    if modality != "text":  # BERT is rebuilt from its config.json; the name is a record
+        from .registry import get_model_entry
 
-    get_model_entry(model_name)  # an unknown name fails now, not when loading
+        get_model_entry(model_name)  # an unknown name fails now, not when loading
 
     directory = Path(directory).expanduser()
     directory.parent.mkdir(parents=True, exist_ok=True)

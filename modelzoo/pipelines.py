@@ -365,6 +365,14 @@ def _source(model: Any, task: str, pretrained: bool | str) -> tuple[nn.Module, A
                 f"({artifact.model_name}); use pipeline({artifact.task!r}, ...)"
             )
         head = {"head": "qa"} if task == "question-answering" else {}
+        if task == "question-answering" and artifact.task != task:
+            warnings.warn(
+                f"pipeline('question-answering', {str(model)!r}): a {artifact.task} artifact "
+                "has no span head; it is freshly initialized and the answers are not "
+                "meaningful (fine-tune it: finetune_squad.py --pretrained-bert-parameters DIR)",
+                UserWarning,
+                stacklevel=3,
+            )
         return artifact.build(**head), artifact
     folder = Path(model).expanduser()
     if task == "question-answering" and (folder / "config.json").is_file():

@@ -65,12 +65,14 @@ from trainers.cli import (
     ArgumentParser,
     add_distributed_args,
     add_ema_args,
+    add_export_args,
     add_gradient_checkpointing_args,
     add_optimizer_args,
     add_tensorboard_args,
     build_combiner,
     build_ema,
     build_optimizer,
+    export_source,
     run_configs,
 )
 from trainers.logs import gluonnlp_step_line
@@ -150,6 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_ema_args(p)
     add_gradient_checkpointing_args(p)
     add_tensorboard_args(p)
+    add_export_args(p)
     o = p.add_argument_group("training")
     o.add_argument("--epochs", "--num-epochs", dest="epochs", type=int, default=None)
     o.add_argument("--batch-size", type=int, default=None, help="per worker and micro-step")
@@ -551,9 +554,33 @@ def main(argv: list[str] | None = None) -> int:
         )
     if env.is_main and ema is not None and "ema_f1" in ema.last_metrics:
         logger.info(f"Held-out F1 of the EMA {ema.last_metrics['ema_f1']:.2f} ({output_dir}/ema)")
+    if env.is_main and args.export_dir:
+        path = export_model(args, trainer, ema, tokenizer, command)
+        logger.info(f"exported {path} (modelzoo.pipeline('question-answering', DIR) loads it)")
     logger.close()
     env.destroy()
     return 0 if all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)) else 1
+
+
+def export_model(
+    args: argparse.Namespace,
+    trainer: Trainer,
+    ema: Any,
+    tokenizer: BertTokenizer,
+    command: list[str],
+) -> Path:
+    """``--export-dir``: the fine-tuned model (the EMA's weights with ``--model-ema``), its
+    vocabulary and the windowing and post-processing it was evaluated with."""
+    metrics = {**trainer.last_eval, **(ema.last_metrics if ema is not None else {})}
+    squad = {key: getattr(args, key) for key in (
+        "max_seq_length", "doc_stride", "max_query_length", "max_answer_length", "n_best_size",
+        "version_2", "null_score_diff_threshold")}  # fmt: skip
+    return modelzoo.save_artifact(
+        args.export_dir, trainer.model, model_name=args.bert_model, model_kwargs={"head": "qa"},
+        task="question-answering", preprocessing=squad, tokenizer=tokenizer, metrics=metrics,
+        source=export_source(args, command, weights="ema" if ema else "model"),
+        state_dict=ema.state_dict_for_export() if ema is not None else None,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

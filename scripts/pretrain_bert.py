@@ -65,6 +65,7 @@ from trainers.cli import (
     add_distributed_args,
     add_elastic_args,
     add_ema_args,
+    add_export_args,
     add_gradient_checkpointing_args,
     add_optimizer_args,
     add_tensorboard_args,
@@ -73,6 +74,7 @@ from trainers.cli import (
     build_ema,
     elastic_config,
     elastic_resuming,
+    export_source,
     optimizer_config,
     run_configs,
 )
@@ -134,6 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_ema_args(p)
     add_gradient_checkpointing_args(p)
     add_tensorboard_args(p)
+    add_export_args(p)
 
     t = p.add_argument_group("phases (per-phase flags: --phase1-X / --phase2-X)")
     t.add_argument("--phases", type=str, default="1,2", help="phases to run: 1,2 or 1 or 2")
@@ -561,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     done = 0  # optimizer steps of the phases before the current one
     previous: Path | None = None
     final: dict[str, Any] = {}
+    trainer: Trainer | None = None
     for phase in args.phase_list:
         steps = getattr(args, f"phase{phase}_steps")
         model_dir = output_dir / f"phase{phase}" / "model"
@@ -587,6 +591,18 @@ def main(argv: list[str] | None = None) -> int:
         done += trainer.global_step
         if trainer.global_step < steps:
             break  # --max-steps ended the run inside this phase
+    if env.is_main and args.export_dir:
+        if trainer is None:
+            raise SystemExit("--export-dir: every phase was already finished; nothing was trained")
+        ema = next((h for h in trainer.hooks if isinstance(h, ModelEMA)), None)
+        path = modelzoo.save_artifact(
+            args.export_dir, trainer.model, model_name=args.bert_model or "bert",
+            model_kwargs={"head": "pretraining"}, task="fill-mask", tokenizer=tokenizer,
+            metrics=ratio_metrics(final, {**RATIOS, **EMA_RATIOS}),
+            source=export_source(args, command, weights="ema" if ema else "model"),
+            state_dict=ema.state_dict_for_export() if ema is not None else None,
+        )  # fmt: skip
+        logger.info(f"exported {path} (modelzoo.get_model(DIR); fine-tune it on SQuAD)")
     logger.finish(total_time=time.perf_counter() - start, steps=done, **final)
     if env.is_main and final:
         shown = ratio_metrics(final, RATIOS)

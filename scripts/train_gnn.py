@@ -46,6 +46,7 @@ from trainers.cli import (
     ArgumentParser,
     add_distributed_args,
     add_ema_args,
+    add_export_args,
     add_optimizer_args,
     add_schedule_args,
     add_tensorboard_args,
@@ -53,6 +54,7 @@ from trainers.cli import (
     build_ema,
     build_optimizer,
     build_schedule,
+    export_source,
     run_configs,
 )
 from trainers.hooks import EarlyStopping
@@ -95,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_distributed_args(p)
     add_ema_args(p)
     add_tensorboard_args(p)
+    add_export_args(p)
     p.set_defaults(wd=5e-4)
     o = p.add_argument_group("training")
     o.add_argument(
@@ -290,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = load_dataset(args)
     graph_level = args.dataset in GRAPH_DATASETS
+    if graph_level and args.export_dir:
+        raise SystemExit(
+            "--export-dir writes a node-classification artifact; graph classification "
+            f"({args.dataset}) has no pipeline: use --export-weights"
+        )
     if graph_level:
         graphs, splits = loaded
         in_channels = graphs[0].num_node_features
@@ -375,6 +383,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.export_weights:
             path = export_weights(model, args.model, cache_root() / "trained")
             logger.info(f"Weights written to {path}")
+        if args.export_dir:
+            path = modelzoo.save_artifact(
+                args.export_dir, model, model_name=args.model,
+                model_kwargs={"num_classes": num_classes, "in_channels": in_channels, **options},
+                task="node-classification", labels=getattr(data, "class_names", None),
+                preprocessing={"normalize_features": bool(args.normalize_features)},
+                metrics={**stopper.best_metrics, **(ema.last_metrics if ema is not None else {})},
+                source=export_source(args, command, weights="ema" if ema else "best"),
+                state_dict=ema.state_dict_for_export() if ema is not None else None,
+            )  # fmt: skip
+            logger.info(f"exported {path} (modelzoo.pipeline('node-classification', DIR))")
     logger.close()
     env.destroy()
     return 0 if all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)) else 1

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 import modelzoo
+from modelzoo.artifact import image_preprocessing
 from modelzoo.vision.data import ImageFolder, digits_imagefolder
 from modelzoo.vision.recordio import RecordIODataset
 from modelzoo.vision.tasks import DropBlockRamp, ImageClassificationTask
@@ -42,6 +43,7 @@ from trainers.cli import (
     add_distributed_args,
     add_elastic_args,
     add_ema_args,
+    add_export_args,
     add_optimizer_args,
     add_schedule_args,
     add_tensorboard_args,
@@ -51,6 +53,7 @@ from trainers.cli import (
     build_optimizer,
     build_schedule,
     elastic_resuming,
+    export_source,
     run_configs,
 )
 
@@ -184,6 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_elastic_args(p)
     add_ema_args(p)
     add_tensorboard_args(p)
+    add_export_args(p)
     o = p.add_argument_group("training")
     o.add_argument("--batch-size", type=int, default=None, help="per worker")
     o.add_argument("--num-epochs", "--epochs", dest="num_epochs", type=int, default=None)
@@ -398,9 +402,35 @@ def main(argv: list[str] | None = None) -> int:
             )
         if ema is not None and "ema_top1" in ema.last_metrics:
             logger.info(f"Held-out top-1 accuracy of the EMA: {ema.last_metrics['ema_top1']:.4f}")
+        if args.export_dir:
+            path = export_model(args, trainer, ema, train_set, num_classes, command)
+            logger.info(f"exported {path} (modelzoo.get_model / modelzoo.pipeline load it)")
     logger.close()
     env.destroy()
     return 0 if all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)) else 1
+
+
+def export_model(
+    args: argparse.Namespace,
+    trainer: Trainer,
+    ema: Any,
+    train_set: Any,
+    num_classes: int,
+    command: list[str],
+) -> Path:
+    """``--export-dir``: the artifact folder of the run (the EMA's weights with
+    ``--model-ema``): the model, its evaluation preprocessing and the class folder names."""
+    mean = [m / 255 for m in _floats(args.rgb_mean, "--rgb-mean")]
+    std = [s / 255 for s in _floats(args.rgb_std, "--rgb-std")]
+    metrics = {**trainer.last_eval, **(ema.last_metrics if ema is not None else {})}
+    return modelzoo.save_artifact(
+        args.export_dir, trainer.model, model_name=args.model,
+        model_kwargs={"num_classes": num_classes, **_model_options(args)},
+        task="image-classification", labels=getattr(train_set, "classes", None),
+        preprocessing=image_preprocessing(args.input_size, args.crop_ratio, mean, std),
+        metrics=metrics, source=export_source(args, command, weights="ema" if ema else "model"),
+        state_dict=ema.state_dict_for_export() if ema is not None else None,
+    )  # fmt: skip
 
 
 def _model_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -696,3 +696,27 @@ def add_gradient_checkpointing_args(parser: argparse.ArgumentParser) -> None:
         help="recompute each transformer layer's activations in the backward instead of "
         "keeping them: less memory for about one more forward pass; the same gradients",
     )
+
+
+def add_export_args(parser: argparse.ArgumentParser) -> None:
+    """``--export-dir DIR``: after training, one artifact folder
+    (:func:`modelzoo.artifact.save_artifact`) that ``modelzoo.get_model(DIR)`` and
+    ``modelzoo.pipeline(task, DIR)`` load."""
+    g = parser.add_argument_group("export (docs/inference.md)")
+    g.add_argument(
+        "--export-dir",
+        default=None,
+        metavar="DIR",
+        help="after training, write DIR with modelzoo.json (model, options, preprocessing, "
+        "labels, metrics), model.safetensors (the EMA's weights with --model-ema) and, for "
+        "BERT, its vocabulary: modelzoo.get_model(DIR) / modelzoo.pipeline(task, DIR) load it",
+    )
+
+
+def export_source(args: argparse.Namespace, command: Sequence[str], **more: Any) -> dict[str, Any]:
+    """The ``source`` of an exported artifact: the command, the seed, the run log."""
+    out: dict[str, Any] = {"command": " ".join(str(c) for c in command), "seed": args.seed}
+    if getattr(args, "run_log", None):
+        out["run_log"] = str(args.run_log)
+    out.update(more)
+    return out

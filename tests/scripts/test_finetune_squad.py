@@ -195,10 +195,22 @@ def test_fine_tuning_minilm_beats_the_untuned_model_on_held_out_questions(tmp_pa
         "--max_query_length", "24", "--batch_size", "32", "--test_batch_size", "64",
         "--lr", "3e-4", "--epochs", "1", "--log_interval", "6", "--eval_at_start",
         "--no-progress", "--output_dir", str(out), "--run-log", str(out / "run.jsonl"),
+        "--export-dir", str(out / "export"),
     ])  # fmt: skip
     assert code == 0
     records = _records(out / "run.jsonl")
     before, after = [r for r in records if r["kind"] == "eval"]
+    # the exported folder answers every dev question as the run's evaluation did
+    import modelzoo
+
+    qa = modelzoo.pipeline("question-answering", out / "export")
+    assert qa.window == {"max_seq_length": 64, "doc_stride": 32, "max_query_length": 24}
+    dev = json.loads(files["dev"].read_text())
+    asked = [(q["id"], {"question": q["question"], "context": p["context"]})
+             for a in dev["data"] for p in a["paragraphs"] for q in p["qas"]]  # fmt: skip
+    answers = qa([x for _, x in asked])
+    predictions = json.loads((out / "predictions.json").read_text())
+    assert {qid: a["answer"] for (qid, _), a in zip(asked, answers, strict=True)} == predictions
     assert before["step"] == 0 and after["step"] == 18
     assert before["f1"] <= F1_BEFORE_AT_MOST, before
     assert after["f1"] >= F1_AFTER_AT_LEAST, after

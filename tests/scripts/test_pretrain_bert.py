@@ -78,10 +78,44 @@ def work(tmp_path_factory):
     ]  # fmt: skip
     full = tmp / "full"
     assert (
-        script.main([*base, "--output_dir", str(full), "--run-log", str(full / "run.jsonl")]) == 0
+        script.main(
+            [
+                *base,
+                "--output_dir",
+                str(full),
+                "--run-log",
+                str(full / "run.jsonl"),
+                "--export-dir",
+                str(full / "export"),
+            ]
+        )
+        == 0  # fmt: skip
     )
     yield {"tmp": tmp, "script": script, "base": base, "full": full}
     mp.undo()
+
+
+def test_export_dir_is_the_last_phases_model_with_its_vocabulary(work):
+    import modelzoo
+    from modelzoo.nlp.bert import BertForPretraining, bert_from_checkpoint
+
+    export = work["full"] / "export"
+    art = modelzoo.load_artifact(export)
+    assert art.task == "fill-mask" and art.model_kwargs == {"head": "pretraining"}
+    end = _records(work["full"] / "run.jsonl")[-1]
+    assert art.metrics["mlm_accuracy"] == pytest.approx(end["mlm_accuracy"])
+    ours = modelzoo.get_model(str(export))
+    saved = bert_from_checkpoint(work["full"] / "phase2" / "model", head="pretraining")
+    assert isinstance(ours, BertForPretraining)
+    a, b = ours.state_dict(), saved.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    tok = art.tokenizer()
+    assert (export / "vocab.txt").read_text() == (
+        work["full"] / "phase2" / "model" / "vocab.txt"
+    ).read_text()
+    assert len(tok) == ours.config.vocab_size
+    with pytest.warns(UserWarning, match="has no span head"):
+        modelzoo.pipeline("question-answering", export)
 
 
 def test_two_phases_log_masked_lm_and_next_sentence_metrics(work):
