@@ -159,8 +159,15 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from . import export
 
-    _, model = _meta_and_model(args.model, _tag(args.pretrained))
-    path = export.export_model(model, args.output, format=args.format)
+    meta, model = _meta_and_model(args.model, _tag(args.pretrained))
+    options: dict[str, Any] = {}
+    if meta.modality == "image":  # the side the weights are evaluated at, unless given
+        size = args.image_size or getattr(meta, "input_size", None)
+        size = size or meta.preprocessing["input_size"]  # an artifact's
+        options["image_size"] = int(size)
+    elif args.image_size:
+        raise SystemExit(f"export: --image-size is for image models, {args.model} is not one")
+    path = export.export_model(model, args.output, format=args.format, **options)
     print(f"wrote {path}")
     return 0
 
@@ -201,7 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("export", help="ONNX, torch.export or TorchScript", allow_abbrev=False)
     common(q)
     q.add_argument("--output", required=True, help="FILE.onnx, FILE.pt2 or FILE.ts")
-    q.add_argument("--format", default=None, choices=["onnx", "torch.export", "torchscript"])
+    q.add_argument(
+        "--format", default=None, choices=["onnx", "torch.export", "pt2", "torchscript", "ts"]
+    )
+    q.add_argument(
+        "--image-size", type=int, default=None,
+        help="image side of the exported graph (default: the weights' evaluation size)",
+    )  # fmt: skip
     q.set_defaults(run=_cmd_export)
     return p
 

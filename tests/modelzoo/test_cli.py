@@ -103,3 +103,17 @@ def test_python_dash_m_modelzoo_runs(setup):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "top-1" in out.stdout and "on 20 images" in out.stdout
+
+
+def test_export_writes_a_program_at_the_artifacts_image_size(setup, tmp_path, capsys):
+    art, _, net = setup
+    out = tmp_path / "net.pt2"
+    assert main(["export", "--model", str(art), "--output", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    program = torch.export.load(str(out))
+    x = torch.randn(3, 3, 32, 32)  # the artifact's input_size, another batch than exported
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(x), net(x), rtol=0, atol=1e-5)
+    with pytest.raises(SystemExit, match="image-size is for image models"):
+        main(["export", "--model", "gcn_karate", "--output", str(tmp_path / "g.pt2"),
+              "--image-size", "32"])  # fmt: skip
