@@ -256,7 +256,11 @@ def _bigger_graph(model: nn.Module) -> tuple:
     return example_inputs(model, num_nodes=23, num_edges=90, num_graphs=3, seed=3)
 
 
-@pytest.fixture(scope="module", params=GNNS)
+# ONNX for a node classifier (GCN's normalisation) and the graph classifier (GIN's extra
+# inputs); GraphSAGE's and GAT's ONNX files were measured once (docs/export.md), each ONNX
+# export costs 3-6 s here and the suite keeps under 15 minutes. torch.export and TorchScript
+# (below) cover all four.
+@pytest.fixture(scope="module", params=["gcn", "gin"])
 def gnn_onnx(request, tmp_path_factory):
     pytest.importorskip("onnxscript")
     model = _gnn(request.param)

@@ -7,41 +7,22 @@ its held-out data) against the exported folder evaluated by the inference code p
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import modelzoo
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._scripts import home, load_script, read_records  # noqa: F401  (fixture)
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(
-        f"{name}_export_under_test", ROOT / "scripts" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script(name, "export")
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-
-
-def test_digits_export_evaluates_to_the_runs_ema_top1(tmp_path, home, capsys):
+@pytest.mark.usefixtures("home")
+def test_digits_export_evaluates_to_the_runs_ema_top1(tmp_path, capsys):
     """Real digit scans (a 12-per-class subset of the built-in set) with --model-ema: the
     folder holds the EMA's weights, so `python -m modelzoo evaluate` on the same val folder
     gives the logged ema_top1, and its preprocessing is the run's."""
@@ -65,7 +46,7 @@ def test_digits_export_evaluates_to_the_runs_ema_top1(tmp_path, home, capsys):
                         "--warmup-epochs", "0", "--no-progress", "-j", "0", "--model-ema",
                         "--model-ema-decay", "0.5", "--run-log", str(log),
                         "--save-dir", str(tmp_path / "save"), "--export-dir", str(out)]) == 0  # fmt: skip
-    evals = [r for r in _records(log) if r["kind"] == "eval"]
+    evals = [r for r in read_records(log) if r["kind"] == "eval"]
     ema_top1 = next(r["ema_top1"] for r in reversed(evals) if "ema_top1" in r)
     ema_top5 = next(r["ema_top5"] for r in reversed(evals) if "ema_top5" in r)
     art = modelzoo.load_artifact(out)
@@ -92,7 +73,8 @@ def test_digits_export_evaluates_to_the_runs_ema_top1(tmp_path, home, capsys):
     assert len(pred) == 3 and all(p["label"] in art.labels for p in pred)
 
 
-def test_karate_export_predicts_the_runs_best_test_accuracy(tmp_path, home):
+@pytest.mark.usefixtures("home")
+def test_karate_export_predicts_the_runs_best_test_accuracy(tmp_path):
     from modelzoo.graph import datasets as gd
 
     out, log = tmp_path / "export", tmp_path / "run.jsonl"
@@ -100,7 +82,7 @@ def test_karate_export_predicts_the_runs_best_test_accuracy(tmp_path, home):
     assert script.main(["--model", "gcn_karate", "--lr", "0.05", "--num-epochs", "60",
                         "--early-stop", "5", "--no-progress", "--run-log", str(log),
                         "--export-dir", str(out)]) == 0  # fmt: skip
-    end = _records(log)[-1]
+    end = read_records(log)[-1]
     data = gd.karate_club()
     pipe = modelzoo.pipeline("node-classification", out)
     test_nodes = data.test_mask.nonzero().view(-1)
@@ -112,7 +94,8 @@ def test_karate_export_predicts_the_runs_best_test_accuracy(tmp_path, home):
     assert modelzoo.load_artifact(out).metrics["best_test_acc"] == end["best_test_acc"]
 
 
-def test_graph_classification_refuses_export_dir(tmp_path, home):
+@pytest.mark.usefixtures("home")
+def test_graph_classification_refuses_export_dir(tmp_path):
     script = _load("train_gnn")
     with pytest.raises(SystemExit, match="graph classification"):
         script.main(["--model", "gin_sbm", "--dataset", "sbm_graphs", "--export-dir",

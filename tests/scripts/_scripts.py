@@ -1,0 +1,33 @@
+"""What the script tests share: loading a script as a module, reading its run log, and a
+clean single-process environment with its own cache."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_script(name: str, tag: str = "under_test"):
+    """``scripts/<name>.py`` as a fresh module (registered: dataclasses look it up)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_{tag}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
