@@ -8,8 +8,10 @@ Three kinds of check:
   script and mode family under the log's recorded threads and ISA pins, on a machine that can
   re-create them (elsewhere the script says "not comparable" and exits 4: the test is skipped
   with that reason, never passed);
-* statistical reproduction: ``reproduce.py --full`` reruns the whole README main job and one
-  GNN recipe on this machine, whatever it is, and the final metric must meet its claim.
+* statistical reproduction: ``reproduce.py --full`` reruns one whole GNN recipe on this
+  machine, whatever it is, and the final metric must meet its claim; the whole README main
+  job too with ``MODELZOO_FULL_RERUNS=1`` (about 3 minutes on 2 cores: by default its prefix
+  is rerun exactly, so the suite stays under 15 minutes).
 """
 
 from __future__ import annotations
@@ -194,9 +196,10 @@ def test_elastic_ledger_commits_each_sample_at_most_once_per_epoch(path):
 
 # -- exact reproduction of a prefix -------------------------------------------------------------
 # One log per script and mode family; MODELZOO_REPRODUCE_ALL=1 reruns every published log.
-# train_imagenet.py on one process and train_gnn.py on the full graph are rerun whole, and
-# exactly, by test_a_full_rerun_meets_its_claim_on_this_machine (FULL_RERUNS)
+# train_gnn.py on the full graph is rerun whole, and exactly, by
+# test_a_full_rerun_meets_its_claim_on_this_machine (FULL_RERUNS)
 REPRODUCED_BY_DEFAULT = {
+    "logs/digits_resnest14/seed0.jsonl",  # the README main job (whole: MODELZOO_FULL_RERUNS=1)
     "logs/digits_lamb_b128/seed0.jsonl",  # LAMB with accumulation
     "logs/digits_comm_ef_topk_2proc/seed0.jsonl",  # torchrun, 2 processes, top-k + EF
     "logs/sbm_gin/seed0.jsonl",  # graph classification, one thread (from the fingerprint)
@@ -204,7 +207,9 @@ REPRODUCED_BY_DEFAULT = {
 }
 REPRODUCE_ALL = os.environ.get("MODELZOO_REPRODUCE_ALL") == "1"
 # rerun whole: the claim must hold, and where this machine can re-create the trace, exactly
-FULL_RERUNS = ["logs/digits_resnest14/seed0.jsonl", "logs/karate_gcn/seed0.jsonl"]
+FULL_RERUNS = ["logs/karate_gcn/seed0.jsonl"]
+if os.environ.get("MODELZOO_FULL_RERUNS") == "1":
+    FULL_RERUNS.insert(0, "logs/digits_resnest14/seed0.jsonl")
 
 
 def test_the_default_reproduction_set_is_published():
