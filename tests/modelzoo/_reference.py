@@ -7,6 +7,7 @@ import math
 import numpy as np
 import torch
 from PIL import Image
+from torch import nn
 
 
 def reference_eval_preprocess(
@@ -30,3 +31,18 @@ def reference_eval_preprocess(
 def random_image(width: int, height: int, seed: int) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def randomize_batchnorm(model: nn.Module, seed: int = 0) -> nn.Module:
+    """BatchNorm running statistics and affine parameters far from their initial 0 and 1, so
+    that eval-mode BatchNorm is really exercised; the model's mode is left as it is."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                n = m.num_features
+                m.running_mean.copy_(torch.rand(n, generator=g) - 0.5)
+                m.running_var.copy_(torch.rand(n, generator=g) + 0.5)
+                m.weight.copy_(torch.rand(n, generator=g) + 0.5)
+                m.bias.copy_(torch.rand(n, generator=g) - 0.5)
+    return model

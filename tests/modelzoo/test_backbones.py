@@ -28,6 +28,7 @@ from modelzoo.registry import get_model_entry
 from modelzoo.vision.features import FeatureListNet, create_features
 from modelzoo.vision.resnest import ResNeSt
 
+from ._reference import randomize_batchnorm
 from .test_registry import _serve_weights, scratch_registry  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,22 +65,11 @@ def _stage_outputs(model: ResNeSt, x: torch.Tensor) -> tuple[torch.Tensor, list[
     return logits, [found[name] for name in STAGES]
 
 
-def _randomize_bn(model: nn.Module) -> None:
-    """Non-trivial BN statistics, so that eval-mode BN is exercised."""
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.uniform_(-0.2, 0.2)
-                m.running_var.uniform_(0.5, 1.5)
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.uniform_(-0.1, 0.1)
-
-
 @pytest.mark.usefixtures("scratch_registry")
 def test_features_equal_the_full_models_stages_with_pretrained_weights(tmp_path, monkeypatch):
     torch.manual_seed(0)
     source = modelzoo.get_model("resnest14", num_classes=10)
-    _randomize_bn(source)
+    randomize_batchnorm(source)
     path, digest = _serve_weights(tmp_path, source.state_dict(), monkeypatch)
     weights = modelzoo.Weights(
         url=path.as_uri(), hash_prefix=digest[:8], num_params=0, num_classes=10, metrics={},

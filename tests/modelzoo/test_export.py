@@ -22,23 +22,17 @@ from modelzoo import export, get_model
 from modelzoo.export import ExportError, example_inputs
 from modelzoo.nlp.bert import BertConfig, build_bert
 
+from ._reference import randomize_batchnorm
+
 GNNS = ["gcn", "graphsage_mean", "gat", "gin"]
 TORCHSCRIPT_DEPRECATED = "ignore:`torch.jit.(script|trace|trace_method|save|load)` is deprecated"
 TRACER = "ignore::torch.jit.TracerWarning"
 
 
 def _randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Running statistics and affine parameters far from their initial 0/1."""
-    g = torch.Generator().manual_seed(seed)
-    for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            n = m.num_features
-            m.running_mean.copy_(torch.rand(n, generator=g) - 0.5)
-            m.running_var.copy_(torch.rand(n, generator=g) + 0.5)
-            with torch.no_grad():
-                m.weight.copy_(torch.rand(n, generator=g) + 0.5)
-                m.bias.copy_(torch.rand(n, generator=g) - 0.5)
-    return model.train()
+    """Running statistics and affine parameters far from their initial 0/1, in train mode
+    (the export must switch to eval mode itself)."""
+    return randomize_batchnorm(model, seed).train()
 
 
 def _eager(model: nn.Module, inputs: tuple) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ from modelzoo.nlp.tokenizer import BertTokenizer
 from modelzoo.pipelines import ImageClassificationPipeline, QuestionAnsweringPipeline
 from modelzoo.weights import Weights
 
-from ._reference import random_image, reference_eval_preprocess
+from ._reference import random_image, randomize_batchnorm, reference_eval_preprocess
 from .test_registry import _serve_weights, scratch_registry  # noqa: F401  (fixture)
 
 LABELS = [f"digit {i}" for i in range(10)]
@@ -38,11 +38,7 @@ def home(tmp_path, monkeypatch):
 def _net(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     net = modelzoo.get_model("resnest14", num_classes=10)
-    for m in net.modules():  # non-trivial eval-mode statistics
-        if isinstance(m, nn.BatchNorm2d):
-            m.running_mean.uniform_(-0.2, 0.2)
-            m.running_var.uniform_(0.5, 2.0)
-    return net.eval()
+    return randomize_batchnorm(net, seed).eval()  # non-trivial eval-mode statistics
 
 
 @pytest.fixture(scope="module")

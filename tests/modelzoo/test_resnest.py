@@ -11,6 +11,7 @@ import modelzoo
 from modelzoo.vision.resnest import ResNeSt
 from modelzoo.vision.splat import DropBlock2d, set_dropblock_prob
 
+from ._reference import randomize_batchnorm
 from .official_resnest import load_official
 
 # (name, official builder module attribute, published params in millions, 2 decimals)
@@ -55,14 +56,7 @@ def test_resnest50_has_the_published_parameter_count():
 def test_official_weights_load_strict_and_give_the_same_logits(name):
     module = "resnest" if name == "resnest50" else "ablation"
     torch.manual_seed(0)
-    theirs = _official_model(name, module).eval()
-    with torch.no_grad():  # non-trivial BN statistics so eval-mode BN is exercised
-        for m in theirs.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.uniform_(-0.2, 0.2)
-                m.running_var.uniform_(0.5, 1.5)
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.uniform_(-0.1, 0.1)
+    theirs = randomize_batchnorm(_official_model(name, module).eval())  # eval-mode BN exercised
     ours = modelzoo.get_model(name)
     ours.load_state_dict(theirs.state_dict(), strict=True)
     ours.eval()
