@@ -295,10 +295,7 @@ def save_artifact(
 
             if state_dict is not None:
                 model = _with_state(model, state_dict)
-            save_hf_directory(model, tokenizer, tmp / "hf", replace=True)
-            for item in (tmp / "hf").iterdir():
-                os.replace(item, tmp / item.name)
-            (tmp / "hf").rmdir()
+            save_hf_directory(model, tokenizer, tmp, replace=False)  # its files into tmp
         else:
             from safetensors.torch import save_model
 

@@ -488,7 +488,7 @@ def pipeline(
         if tokenizer is None:
             if meta is None:
                 raise ValueError("pipeline('question-answering', module): pass tokenizer=")
-            tokenizer = meta.tokenizer() if hasattr(meta, "tokenizer") else None
+            tokenizer = meta.tokenizer()
         from .artifact import Artifact
 
         if isinstance(meta, Artifact):

@@ -41,6 +41,19 @@ class NodeClassifier(nn.Module):
     num_classes: int
     supports_layer_sizes = False
 
+    def forward(
+        self,
+        x: torch.Tensor,
+        edge_index: torch.Tensor,
+        layer_sizes: Sequence[tuple[int, int]] | None = None,
+    ) -> torch.Tensor:
+        """:meth:`layer_forward` for every layer (``layer_sizes``: see the class docstring;
+        models without ``supports_layer_sizes`` define their own ``forward`` without it)."""
+        sizes = self._check_layer_sizes(layer_sizes)
+        for index, size in enumerate(sizes):
+            x = self.layer_forward(index, x, edge_index, size=size)  # (N_dst, C_l)
+        return x  # (N_dst, num_classes)
+
     @property
     def num_message_passing_layers(self) -> int:
         """Message-passing layers in all, the head included (the builders' ``num_layers``)."""

@@ -14,7 +14,6 @@ decay 5e-4, early stopping on validation (patience 100).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -87,17 +86,6 @@ class GAT(NodeClassifier):
             conv.reset_parameters()
 
     supports_layer_sizes = True
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        edge_index: torch.Tensor,
-        layer_sizes: Sequence[tuple[int, int]] | None = None,
-    ) -> torch.Tensor:
-        sizes = self._check_layer_sizes(layer_sizes)
-        for index, size in enumerate(sizes):
-            x = self.layer_forward(index, x, edge_index, size=size)  # (N_dst, heads * hidden)
-        return x  # (N_dst, num_classes)
 
     def layer_forward(
         self,

@@ -15,7 +15,6 @@ ogbn-products with fan-outs 25,10), ReLU, dropout 0.5.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -100,17 +99,6 @@ class GraphSAGE(NodeClassifier):
             conv.reset_parameters()
 
     supports_layer_sizes = True
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        edge_index: torch.Tensor,
-        layer_sizes: Sequence[tuple[int, int]] | None = None,
-    ) -> torch.Tensor:
-        sizes = self._check_layer_sizes(layer_sizes)
-        for index, size in enumerate(sizes):
-            x = self.layer_forward(index, x, edge_index, size=size)  # (N_dst, hidden)
-        return x  # (N_dst, num_classes)
 
     def layer_forward(
         self,
