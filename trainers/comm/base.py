@@ -319,7 +319,10 @@ class CommCounter:
     ``grad_bytes`` is the size of the dense fp32 gradient; ``compression_ratio`` is
     ``grad_bytes / bytes_sent`` (1 for plain averaging; above 1 when sending less). Modes
     that message chosen peers (gossip) also count ``peers``: the ranks this worker exchanged
-    with per step, averaged like the bytes.
+    with per step, averaged like the bytes. The compressed modes also count ``wire_bytes``,
+    what the collective hands to the network per step (an all-gather: ``N - 1`` copies of the
+    payload; :mod:`trainers.comm.sparse`: its measured messages), and ``collective``, the
+    collective or sparse-allreduce algorithm that ran.
     """
 
     def __init__(self) -> None:
@@ -328,6 +331,15 @@ class CommCounter:
         self.steps = 0
         self.peers: int | None = None  # None: the mode does not count peers
         self.total_bytes = 0  # since the start (or since the combiner was created)
+        self.wire: int | None = None  # None: the mode does not count the collective's bytes
+        self.collectives: list[str] = []
+
+    def add_wire(self, nbytes: int, collective: str) -> None:
+        """What the collective itself handed to the network (``wire_bytes``: an all-gather
+        sends ``N - 1`` copies of the payload), and which collective ran."""
+        self.wire = (self.wire or 0) + int(nbytes)
+        if collective not in self.collectives:
+            self.collectives.append(collective)
 
     def add_peers(self, count: int) -> None:
         self.peers = (self.peers or 0) + int(count)
@@ -355,5 +367,9 @@ class CommCounter:
         if self.peers is not None:
             out["peers"] = self.peers / self.steps
             self.peers = 0
+        if self.wire is not None:
+            out["wire_bytes"] = self.wire / self.steps
+            out["collective"] = "+".join(self.collectives)  # type: ignore[assignment]
+            self.wire, self.collectives = 0, []
         self.bytes, self.steps = 0, 0
         return out

@@ -13,6 +13,7 @@ from ..dist import DistEnv
 from .base import CommCounter, GradCombiner, option
 from .compressors import COMPRESSORS, Compressor, compressed_allreduce, create_compressor
 from .flat import broadcast_, flatten, model_tensors
+from .sparse import CHOICES as SPARSE_CHOICES
 
 __all__ = ["CompressedCombiner", "CompressorOptions", "no_loss_scaling"]
 
@@ -43,9 +44,20 @@ class CompressorOptions:
         None, "importance: eps of |g| / (|w| + eps) (default: the compressor's)",
         flag="--importance-eps",
     )  # fmt: skip
+    sparse_allreduce: str = option(
+        "auto",
+        "topk: how the (index, value) pairs are summed (auto: SparCML's cost model, "
+        "docs/communication.md)",
+        choices=SPARSE_CHOICES,
+    )
 
     def __post_init__(self) -> None:
         self.build_compressor()  # validates the name and the options it takes
+        if self.sparse_allreduce not in SPARSE_CHOICES:
+            raise ValueError(
+                f"sparse_allreduce {self.sparse_allreduce!r}: choose one of "
+                f"{', '.join(SPARSE_CHOICES)}"
+            )
 
     def build_compressor(self) -> Compressor:
         given = {
@@ -81,6 +93,7 @@ class CompressedCombiner(GradCombiner):
         self.compressor = self.options.build_compressor()
         self.steps = 0  # optimizer steps taken (seeds the generators)
         self.counter = CommCounter()
+        self.union: dict[int, int] = {}  # per salt: non-zeros of the last sparse sum
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
@@ -107,17 +120,26 @@ class CompressedCombiner(GradCombiner):
         weights = None
         if compressor.shares_selection:
             weights = flatten([p for p in self.model.parameters() if p.requires_grad], x.dtype)
+        report: dict[str, Any] = {}
         mean, own, sent = compressed_allreduce(
-            compressor, x, self.env, shared=shared, local=local, weights=weights
-        )
+            compressor, x, self.env, shared=shared, local=local, weights=weights,
+            sparse_algorithm=self.options.sparse_allreduce, union=self.union.get(salt),
+            report=report,
+        )  # fmt: skip
+        if "nnz" in report:
+            self.union[salt] = int(report["nnz"])
         self.counter.add(sent if self.env.distributed else 0)
+        if self.env.distributed:
+            self.counter.add_wire(report["wire_bytes"], report["collective"])
         return mean, own
 
     def metrics(self) -> dict[str, float]:
         return self.counter.metrics()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps}
+        # the union estimates steer the sparse algorithm's choice: kept for exact resumption
+        return {"steps": self.steps, "union": dict(self.union)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.steps = int(state_dict["steps"])
+        self.union = {int(k): int(v) for k, v in state_dict.get("union", {}).items()}

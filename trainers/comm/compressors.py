@@ -15,7 +15,7 @@ name            what one worker sends for ``n`` fp32 elements            collect
 ``bf16``        the vector cast to bf16 (2 n)                            allreduce
 ``randblock``   ``k = ratio n`` contiguous values at a shared random     allreduce
                 offset (4 k)
-``topk``        the ``k = ratio n`` largest magnitudes and their int32   allgather
+``topk``        the ``k = ratio n`` largest magnitudes and their int32   sparse allreduce
                 indices (8 k)
 ``sign``        one bit per element plus the scale ``mean |x|``          allgather
                 (n / 8 + 4)
@@ -28,8 +28,13 @@ name            what one worker sends for ``n`` fp32 elements            collect
 *Allreduce-compatible* compressors encode every worker against shared information (the
 random block's offset, QSGD's global bucket norms: ``all_reduce(MAX)`` of the local ones),
 so the encoded vectors can be summed by a plain ``all_reduce`` and decoded once:
-``decode(sum_i q_i) = sum_i decode(q_i)``. The others are all-gathered and decoded per
-worker. QSGD (Alistarh et al., NeurIPS 2017) with ``s`` levels and norm ``m`` rounds
+``decode(sum_i q_i) = sum_i decode(q_i)``. ``randblock`` and ``importance`` send values at
+an index set every worker shares, so for them a sparse allreduce would be this same
+all-reduce of ``k`` values (any sparse algorithm also sends the indices). ``topk``'s index
+sets differ between workers: its (index, value) pairs are summed by the sparse allreduce of
+:mod:`trainers.comm.sparse` (SparCML's algorithms, chosen by their cost), so its traffic
+does not grow as ``(N - 1) k`` with the workers when their supports overlap. ``sign`` is
+all-gathered and decoded per worker. QSGD (Alistarh et al., NeurIPS 2017) with ``s`` levels and norm ``m`` rounds
 ``l = s |x| / m`` up with probability ``l - floor(l)``, so ``E[decode(q)] = x``.
 
 **Combiners** (in :mod:`trainers.comm.ef`, :mod:`trainers.comm.cser`, :mod:`trainers.comm.ddp_hooks`):
@@ -74,6 +79,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..dist import DistEnv
+from .sparse import sparse_allreduce
 
 __all__ = [
     "COMPRESSORS",
@@ -117,6 +123,9 @@ class Compressor(abc.ABC):
     #: encodes against an index set that one worker chooses from its values and the model's
     #: parameters (``weights``) and broadcasts: :meth:`select`, then ``compress(stats=indices)``
     shares_selection = False
+    #: sends (index, value) pairs that :func:`~trainers.comm.sparse.sparse_allreduce` sums:
+    #: :meth:`sparse_pairs` gives them sorted by index
+    sparse = False
 
     def __init__(self) -> None:
         self.world_size = 1
@@ -128,6 +137,10 @@ class Compressor(abc.ABC):
 
     def shared_stats(self, x: Tensor) -> Tensor | None:
         return None
+
+    def sparse_pairs(self, payload: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """``(indices, values)`` of a sparse payload, indices sorted (``sparse`` compressors)."""
+        raise TypeError(f"compressor {self.name!r} does not send (index, value) pairs")
 
     def select(self, x: Tensor, weights: Tensor) -> Tensor:
         """The index set (int64) every worker will send, chosen from ``x`` and the model's
@@ -220,10 +233,11 @@ class TopK(Compressor):
     """Top-k sparsification (``topk``): the ``k = ratio * n`` entries of largest magnitude.
 
     Sends the values (fp32) and their int32 indices; workers' index sets differ, so the
-    payloads are all-gathered.
+    pairs are summed by the sparse allreduce (:mod:`trainers.comm.sparse`).
     """
 
     name = "topk"
+    sparse = True
 
     def __init__(self, ratio: float = 0.01) -> None:
         super().__init__()
@@ -239,6 +253,11 @@ class TopK(Compressor):
         out = torch.zeros(ctx.numel, dtype=torch.float32, device=values.device)
         out.index_add_(0, indices.long(), values)
         return out.to(ctx.dtype)
+
+    def sparse_pairs(self, payload):
+        values, indices = payload
+        order = torch.argsort(indices)
+        return indices[order].long(), values[order]
 
     def payload_bytes(self, numel: int) -> int:
         return 8 * _count(numel, self.ratio)
@@ -482,12 +501,21 @@ def compressed_allreduce(
     shared: torch.Generator | None = None,
     local: torch.Generator | None = None,
     weights: Tensor | None = None,
+    sparse_algorithm: str = "auto",
+    union: int | None = None,
+    report: dict[str, Any] | None = None,
 ) -> tuple[Tensor, Tensor, int]:
     """Average ``compressor(x)`` over the workers.
 
     ``weights``: the model's flat parameters in ``x``'s layout, for compressors that choose a
     shared index set from them (``importance``): the worker drawn from ``shared`` (rank 0
     without it) chooses, and broadcasts its choice.
+
+    Sparse compressors (``topk``) are summed by :func:`~trainers.comm.sparse.sparse_allreduce`
+    with ``sparse_algorithm`` (``auto``: its cost model, with ``union`` the expected
+    non-zeros of the sum, e.g. the last step's). ``report``, when given, receives
+    ``collective`` (the collective or sparse algorithm that ran), ``wire_bytes`` (what this
+    worker handed to the network) and, for sparse compressors, ``nnz`` (non-zeros of the sum).
 
     Returns:
         ``(mean of the workers' decoded vectors, this worker's decoded vector, bytes sent)``.
@@ -516,18 +544,30 @@ def compressed_allreduce(
         own = own.clone()  # the payload is reduced in place below; this worker's part is kept
     sent = compressor.payload_bytes(x.numel())
     n = env.world_size
+    report = report if report is not None else {}
     if not env.distributed:
+        report.update(collective="local", wire_bytes=0)
         return own.clone(), own, sent
+    nbytes = sum(t.numel() * t.element_size() for t in payload)
     if compressor.allreduce_compatible:
         for t in payload:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        report.update(collective="allreduce", wire_bytes=round(2 * (n - 1) / n * nbytes))
         return compressor.decompress(payload, ctx).div_(n), own, sent
-    # the sum in fp32 (fp64 for fp64 inputs, so that float64 runs keep their precision)
     acc = torch.float64 if own.dtype == torch.float64 else torch.float32
+    if compressor.sparse:
+        indices, values = compressor.sparse_pairs(payload)
+        result = sparse_allreduce(
+            indices, values.to(acc), ctx.numel, algorithm=sparse_algorithm, union=union
+        )
+        report.update(collective=result.algorithm, wire_bytes=result.bytes_sent, nnz=result.nnz)
+        return result.to_dense().div_(n).to(own.dtype), own, sent
+    # the sum in fp32 (fp64 for fp64 inputs, so that float64 runs keep their precision)
     total = torch.zeros_like(own, dtype=acc)
     gathered = [[torch.empty_like(t) for _ in range(n)] for t in payload]
     for t, out in zip(payload, gathered, strict=True):
         dist.all_gather(out, t.contiguous())
     for r in range(n):
         total += compressor.decompress([g[r] for g in gathered], ctx).to(acc)
+    report.update(collective="allgather", wire_bytes=(n - 1) * nbytes)
     return total.div_(n).to(own.dtype), own, sent

@@ -1,0 +1,133 @@
+"""trainers.comm.sparse: the sparse allreduce against the dense sum, at 2 to 5 gloo processes.
+
+Oracles: the ranks' vectors densified and summed in rank order (fp32) and in float64, which
+every rank computes itself from the shared seeds (``_sparse_worker.py``); SparCML's byte
+formulas for the dense switch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.trainers._launch import run_ranks
+from tests.trainers._sparse_worker import CASES
+from trainers.comm.sparse import (
+    ALGORITHMS,
+    CostModel,
+    choose_algorithm,
+    dense_threshold,
+    estimate_costs,
+    sparse_allreduce,
+)
+
+WORLDS = (2, 3, 4, 5)
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=[f"{w}ranks" for w in WORLDS])
+def ranks(request, tmp_path_factory):
+    world = request.param
+    out = tmp_path_factory.mktemp(f"sparse{world}")
+    run_ranks("tests.trainers._sparse_worker", [str(out)], world=world, timeout=300)
+    return world, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_algorithm_is_the_dense_sum_on_every_rank(ranks, case):
+    world, results = ranks
+    for kind in ("dyadic", "random", "rows"):
+        ordered = results[0][case, kind, "ordered"]
+        exact = results[0][case, kind, "exact"]
+        for algorithm in ("auto", *ALGORITHMS):
+            got = [r[case, kind, algorithm] for r in results]
+            first = got[0]["sum"]
+            for g in got[1:]:  # the same bits on every rank, and the same algorithm
+                assert torch.equal(g["sum"], first), (case, kind, algorithm)
+                assert g["algorithm"] == got[0]["algorithm"]
+            if algorithm != "auto":
+                assert got[0]["algorithm"] == algorithm
+            assert first.shape == exact.shape
+            if kind == "dyadic" or algorithm in ("allgather", "split_allgather") or world == 2:
+                # exact sums, or the rank order of the dense reference: the same bits
+                assert torch.equal(first, ordered), (case, kind, algorithm)
+            else:  # tree or library order: within fp32's bound for N - 1 additions
+                bound = (world - 1) * 2.0**-24 * results[0][case, kind, "abs"]
+                assert bool(((first.double() - exact).abs() <= bound).all()), (case, algorithm)
+            if algorithm == "auto":
+                assert got[0]["algorithm"] in ALGORITHMS
+
+
+def test_the_dense_switch_happens_at_the_formulas_count(ranks):
+    world, results = ranks
+    if world != 2:
+        pytest.skip("the formula's bytes are written for one swap (2 ranks)")
+    threshold = dense_threshold(1000, 4)
+    assert threshold == 500  # nnz (4 + 4) >= 1000 * 4
+    for nnz in (249, 250, 499, 500):
+        got = results[0]["switch", nnz]
+        merged = 2 * nnz  # disjoint blocks
+        assert got["dense"] == (merged >= threshold), nnz
+        # one swap: the header, then the stream (dense from the start if nnz >= 500)
+        sent = 8 + (1000 * 4 if nnz >= threshold else 8 * nnz)
+        assert got["bytes"] == sent, nnz
+        expected = torch.zeros(1000)
+        expected[torch.arange(0, 2 * nnz) % 1000] += 1
+        assert torch.equal(got["sum"], expected)
+
+
+def test_allgather_bytes_grow_with_the_world_and_split_allgather_does_not(ranks):
+    """Disjoint supports of k pairs: the all-gather sends (N - 1) k pairs per worker, the
+    split-allgather's reduce-scatter about k (N - 1) / N and its all-gather the owned
+    range ((N - 1) k / N pairs of the N k in the sum) to N - 1 workers."""
+    world, results = ranks
+    got = results[0]["disjoint", "dyadic", "allgather"]["bytes"]
+    k = 7
+    assert got == 8 * (world - 1) + (world - 1) * 8 * k  # counts, then the padded pairs
+
+
+def test_one_process_returns_its_input():
+    r = sparse_allreduce(torch.tensor([1, 3]), torch.tensor([2.0, -1.0]), 5, algorithm="dense")
+    assert r.algorithm == "local" and r.bytes_sent == 0
+    assert torch.equal(r.to_dense(), torch.tensor([0.0, 2.0, 0.0, -1.0, 0.0]))
+
+
+@pytest.mark.parametrize(
+    ("indices", "values", "numel", "match"),
+    [
+        (torch.tensor([3, 1]), torch.ones(2), 5, "sorted and unique"),
+        (torch.tensor([1, 1]), torch.ones(2), 5, "sorted and unique"),
+        (torch.tensor([1, 5]), torch.ones(2), 5, r"in \[0, 5\)"),
+        (torch.tensor([1.0]), torch.ones(1), 5, "1-D integer"),
+        (torch.tensor([1, 2]), torch.ones(3), 5, "one row per index"),
+        (torch.tensor([1]), torch.ones(1, dtype=torch.int64), 5, "floating point"),
+    ],
+)
+def test_bad_input_is_refused_with_the_reason(indices, values, numel, match):
+    with pytest.raises(ValueError, match=match):
+        sparse_allreduce(indices, values, numel)
+
+
+def test_unknown_algorithm_names_the_choices():
+    with pytest.raises(ValueError, match="choose one of auto, allgather"):
+        sparse_allreduce(torch.tensor([1]), torch.ones(1), 5, algorithm="ring")
+
+
+def test_the_choice_follows_the_cost_formulas():
+    """Few pairs: latency decides (recursive doubling's 2 log2 N messages); many pairs whose
+    supports overlap (a sum of 1.2 M non-zeros from 8 x 1 M): split-allgather's
+    2 (N - 1) / N K volume beats recursive doubling's log2 N partial sums; past half the
+    buffer per worker the dense all-reduce wins; a bandwidth-free network picks the fewest
+    messages."""
+    d = 10_000_000
+    assert choose_algorithm([10] * 8, d, 4) == "recursive_doubling"
+    assert choose_algorithm([1_000_000] * 8, d, 4, union=1_200_000) == "split_allgather"
+    assert choose_algorithm([200_000] * 8, d, 4) == "recursive_doubling"  # disjoint bound
+    assert choose_algorithm([d // 2] * 8, d, 4) == "dense"
+    costs = estimate_costs([1000] * 4, d, 4, cost=CostModel(latency=1.0, bandwidth=1e30))
+    assert min(costs, key=costs.get) == "recursive_doubling"  # 4 messages vs 6 (allgather)
+    assert costs["allgather"] == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="bandwidth > 0"):
+        CostModel(bandwidth=0)

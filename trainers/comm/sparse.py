@@ -1,0 +1,572 @@
+"""Sparse allreduce: the sum over the workers of vectors given as sorted (index, value) streams.
+
+SparCML (Renggli, Ashkboos, Aghagolzadeh, Alistarh, Hoefler; SC 2019) observes that an
+all-gather of every worker's ``k`` (index, value) pairs -- what a top-k compressor sends --
+hands every worker ``N k`` pairs, a cost that grows with the number of workers ``N``, while
+the *sum* of the workers' vectors usually has far fewer than ``N k`` non-zeros because their
+supports overlap. The algorithms here reduce the streams instead of gathering them:
+
+``allgather``
+    Every worker all-gathers the others' pairs (padded to the longest stream) and sums them
+    in rank order. One collective of ``(N - 1) max_r k_r`` pairs per worker: the baseline.
+``recursive_doubling``
+    ``log2 N`` rounds; in round ``s`` worker ``r`` swaps its current partial sum with worker
+    ``r xor 2^s`` and merges the two sorted streams (latency-optimal: ``2 log2 N`` messages).
+    A world size that is not a power of two is folded first: the ``N - p`` workers above the
+    largest power of two ``p`` hand their stream to worker ``r - p`` and get the result back.
+``split_allgather``
+    Worker ``j`` owns the ``j``-th of ``N`` contiguous index ranges. Every worker sends each
+    owner its pairs in that range (a sparse reduce-scatter), the owner sums them in rank
+    order, then every owner sends its summed range to every worker (an all-gather). Each pair
+    of the sum crosses the network ``N - 1`` times, never ``N (N - 1)`` times
+    (bandwidth-optimal for large ``k``).
+``dense``
+    Scatter into a dense buffer and ``all_reduce`` it.
+
+**The switch to dense.** A stream of ``nnz`` pairs costs ``nnz (i + v)`` bytes (``i``: the
+index width, 4 bytes below 2^31 elements; ``v``: one value, or one row of values), the dense
+buffer ``numel v``. Every stream a worker sends -- a partial sum of recursive doubling, a
+summed range of split-allgather -- is sent dense once ``nnz (i + v) >= numel v``, i.e. past
+the density ``v / (i + v)`` (1/2 for fp32 values with int32 indices), and stays dense:
+:func:`dense_threshold` is that count.
+
+**The automatic choice** (``algorithm="auto"``): every worker all-gathers its stream length
+(one small message), and :func:`choose_algorithm` evaluates on those lengths, identically on
+every worker, a latency-bandwidth cost ``messages * latency + bytes / bandwidth`` of each
+algorithm. The size of the sum is what separates the sparse algorithms (recursive doubling
+forwards partial sums, split-allgather the final one once): the caller may pass ``union``,
+its estimate (the compressors pass the previous step's), else it is bounded by
+``min(numel, sum of the lengths)`` (disjoint supports). :class:`CostModel` holds the two constants;
+``benchmarks/bench_sparse.py`` measures the algorithms against each other.
+
+**Exactness.** The result is the sum of the workers' vectors, identical on every worker.
+``allgather`` and ``split_allgather`` add each index's values in rank order, starting from 0
+(exactly what summing the densified vectors in rank order gives, bit for bit);
+``recursive_doubling`` adds them in its tree's order (partial sums of rank groups), and
+``dense`` in the collective library's order, so these two may differ from the others in the
+last bits when three or more workers hold the same index. Two workers' values are always
+added in one operation, so at two workers every algorithm gives the same bits.
+
+**Bytes.** :attr:`SparseResult.bytes_sent` is what this worker hands to the network: exact
+for the point-to-point messages (headers included), ``(N - 1) B`` for the all-gather of a
+``B``-byte stream and ``2 (N - 1) / N B`` for the ``all_reduce`` of a ``B``-byte buffer (the
+ring algorithms' volume; the library may use others).
+
+The collectives used -- ``all_gather`` of equal-size tensors, ``isend``/``irecv``,
+``all_reduce`` -- exist on gloo and NCCL; every buffer lives on the values' device.
+
+Example (one process: the input comes back)::
+
+    >>> r = sparse_allreduce(torch.tensor([1, 3]), torch.tensor([2.0, -1.0]), 5)
+    >>> r.to_dense()
+    tensor([ 0.,  2.,  0., -1.,  0.])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "ALGORITHMS",
+    "CostModel",
+    "SparseResult",
+    "choose_algorithm",
+    "dense_threshold",
+    "estimate_costs",
+    "sparse_allreduce",
+]
+
+ALGORITHMS = ("allgather", "recursive_doubling", "split_allgather", "dense")
+CHOICES = ("auto", *ALGORITHMS)
+_HEADER_BYTES = 8  # one int64: a stream's length, or -1 for a dense buffer
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """``time = messages * latency + bytes / bandwidth`` for one worker.
+
+    The defaults are of the order measured for gloo between processes on one machine
+    (``benchmarks/bench_sparse.py`` prints the per-algorithm times to calibrate them).
+    """
+
+    latency: float = 60e-6  # seconds per message
+    bandwidth: float = 2e9  # bytes per second
+
+    def __post_init__(self) -> None:
+        if not (self.latency >= 0 and self.bandwidth > 0):
+            raise ValueError(
+                f"CostModel: latency must be >= 0 and bandwidth > 0, got {self.latency}, "
+                f"{self.bandwidth}"
+            )
+
+    def time(self, messages: float, nbytes: float) -> float:
+        return messages * self.latency + nbytes / self.bandwidth
+
+
+@dataclass
+class SparseResult:
+    """The sum over the workers: sorted unique ``indices`` and their ``values``, or (when the
+    sum was sent dense) ``indices is None`` and ``values`` the whole ``(numel, *row)`` buffer.
+
+    Attributes:
+        algorithm: the algorithm that ran (``"local"`` in a world of one).
+        bytes_sent: bytes this worker handed to the network (module docstring).
+        messages: the messages this worker sent (a collective counts as its ring steps).
+    """
+
+    numel: int
+    indices: Tensor | None
+    values: Tensor
+    algorithm: str
+    bytes_sent: int = 0
+    messages: int = 0
+
+    @property
+    def dense(self) -> bool:
+        return self.indices is None
+
+    @property
+    def nnz(self) -> int:
+        """Rows of the sum that were sent (``numel`` when dense)."""
+        return self.numel if self.indices is None else int(self.indices.numel())
+
+    def to_dense(self) -> Tensor:
+        if self.indices is None:
+            return self.values
+        out = self.values.new_zeros((self.numel, *self.values.shape[1:]))
+        out[self.indices] = self.values
+        return out
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel <= 2**31 - 1 else torch.int64
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dense_threshold(numel: int, row_bytes: int, index_bytes: int | None = None) -> int:
+    """The stream length from which a dense buffer is no larger: the smallest ``nnz`` with
+    ``nnz (index_bytes + row_bytes) >= numel row_bytes``."""
+    i = index_bytes if index_bytes is not None else _index_dtype(numel).itemsize
+    return math.ceil(numel * row_bytes / (i + row_bytes))
+
+
+def _row_bytes(values: Tensor, acc: torch.dtype) -> int:
+    return acc.itemsize * math.prod(values.shape[1:])
+
+
+class _Stream:
+    """A partial sum: sorted unique indices + values, or a dense buffer (``idx is None``)."""
+
+    __slots__ = ("idx", "val")
+
+    def __init__(self, idx: Tensor | None, val: Tensor) -> None:
+        self.idx, self.val = idx, val
+
+    @property
+    def count(self) -> int:
+        return -1 if self.idx is None else int(self.idx.numel())
+
+    def densify(self, numel: int) -> _Stream:
+        if self.idx is None:
+            return self
+        out = self.val.new_zeros((numel, *self.val.shape[1:]))
+        out[self.idx] = self.val
+        return _Stream(None, out)
+
+
+def _sum_in_order(streams: Sequence[_Stream], numel: int) -> _Stream:
+    """The sum of ``streams`` with each index's values added in the given order, from 0."""
+    if any(s.idx is None for s in streams):
+        first = next(i for i, s in enumerate(streams) if s.idx is None)
+        out = torch.zeros_like(streams[first].val)
+        for s in streams:
+            if s.idx is None:
+                out += s.val
+            elif s.idx.numel():
+                out.index_add_(0, s.idx, s.val)
+        return _Stream(None, out)
+    union = torch.unique(torch.cat([s.idx for s in streams]), sorted=True)
+    ref = streams[0].val
+    out = ref.new_zeros((union.numel(), *ref.shape[1:]))
+    for s in streams:  # one index_add per stream: no index repeats within a call
+        if s.idx.numel():
+            out.index_add_(0, torch.searchsorted(union, s.idx), s.val)
+    return _Stream(union, out)
+
+
+def _maybe_densify(s: _Stream, numel: int, threshold: int) -> _Stream:
+    return s.densify(numel) if s.idx is not None and s.idx.numel() >= threshold else s
+
+
+def _pack(s: _Stream, index_dtype: torch.dtype) -> Tensor:
+    """One uint8 buffer: the values, then the indices (``index_dtype``); dense: the values.
+    Values first, so that both parts stay aligned for fp32/fp64 values and int32 indices."""
+    val = s.val.contiguous().reshape(-1).view(torch.uint8)
+    if s.idx is None:
+        return val
+    return torch.cat([val, s.idx.to(index_dtype).view(torch.uint8)])
+
+
+def _unpack(buf: Tensor, count: int, shape: tuple[int, ...], dtype: torch.dtype,
+            index_dtype: torch.dtype, numel: int) -> _Stream:  # fmt: skip
+    row = math.prod(shape)
+    if count < 0:
+        return _Stream(None, buf[: numel * row * dtype.itemsize].view(dtype).reshape(numel, *shape))
+    cut = count * row * dtype.itemsize
+    val = buf[:cut].view(dtype).reshape(count, *shape)
+    raw = buf[cut : cut + count * index_dtype.itemsize]
+    if cut % index_dtype.itemsize:  # int64 indices after an odd number of fp32 values
+        raw = raw.clone()
+    return _Stream(raw.view(index_dtype).long(), val)
+
+
+def _packed_bytes(count: int, numel: int, row_bytes: int, index_bytes: int) -> int:
+    return numel * row_bytes if count < 0 else count * (index_bytes + row_bytes)
+
+
+class _Comm:
+    """Point-to-point and collective calls on ``group``, counting what this worker sends."""
+
+    def __init__(self, group: object | None, device: torch.device) -> None:
+        self.group = group
+        self.device = device
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.bytes = 0
+        self.messages = 0
+
+    def _global(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def swap(self, peer: int, send: Tensor, recv: Tensor) -> None:
+        """Send ``send`` to ``peer`` and receive ``recv`` from it."""
+        ops = [dist.P2POp(dist.isend, send, self._global(peer), self.group),
+               dist.P2POp(dist.irecv, recv, self._global(peer), self.group)]  # fmt: skip
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        self.bytes += send.numel() * send.element_size()
+        self.messages += 1
+
+    def exchange(self, sends: dict[int, Tensor], recvs: dict[int, Tensor]) -> None:
+        """Send ``sends[peer]`` to each peer and receive ``recvs[peer]`` from each, at once."""
+        ops = [dist.P2POp(dist.isend, t, self._global(p), self.group) for p, t in sends.items()]
+        ops += [dist.P2POp(dist.irecv, t, self._global(p), self.group) for p, t in recvs.items()]
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        self.bytes += sum(t.numel() * t.element_size() for t in sends.values())
+        self.messages += len(sends)
+
+    def send(self, peer: int, t: Tensor) -> None:
+        dist.send(t, self._global(peer), self.group)
+        self.bytes += t.numel() * t.element_size()
+        self.messages += 1
+
+    def recv(self, peer: int, t: Tensor) -> None:
+        dist.recv(t, self._global(peer), self.group)
+
+    def all_gather(self, t: Tensor) -> list[Tensor]:
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t.contiguous(), group=self.group)
+        self.bytes += (self.size - 1) * t.numel() * t.element_size()
+        self.messages += self.size - 1
+        return out
+
+    def all_reduce(self, t: Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        self.bytes += round(2 * (self.size - 1) / self.size * t.numel() * t.element_size())
+        self.messages += 2 * (self.size - 1)
+
+    def header(self, count: int) -> Tensor:
+        return torch.tensor([count], dtype=torch.int64, device=self.device)
+
+
+# ------------------------------------------------------------------------------- cost model
+def range_bounds(numel: int, parts: int) -> list[int]:
+    """``parts + 1`` boundaries of contiguous index ranges whose sizes differ by at most 1."""
+    base, extra = divmod(numel, parts)
+    bounds = [0]
+    for j in range(parts):
+        bounds.append(bounds[-1] + base + (1 if j < extra else 0))
+    return bounds
+
+
+def estimate_costs(
+    counts: Sequence[int], numel: int, row_bytes: int, index_bytes: int | None = None,
+    cost: CostModel | None = None, union: int | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """Each algorithm's estimated time (seconds) for streams of ``counts`` pairs, one per
+    worker. ``union``: the expected number of non-zeros of the sum (e.g. the last call's);
+    without it, the bound ``min(numel, sum(counts))`` (disjoint supports)."""
+    cost = cost or CostModel()
+    n = len(counts)
+    total = min(numel, sum(counts)) if union is None else min(numel, max(union, max(counts)))
+    i = index_bytes if index_bytes is not None else _index_dtype(numel).itemsize
+    pair = i + row_bytes
+    dense_bytes = numel * row_bytes
+
+    def stream(nnz: float, length: float = numel) -> float:  # bytes of a stream, dense-capped
+        return min(nnz * pair, length * row_bytes)
+
+    out = {
+        "dense": cost.time(2 * (n - 1), 2 * (n - 1) / n * dense_bytes),
+        "allgather": cost.time(2 * (n - 1), (n - 1) * (8 + max(counts) * pair)),
+    }
+    # recursive doubling: fold, then log2(p) swaps of header + stream (the largest partial sum)
+    p = 1 << (n.bit_length() - 1)
+    folded = [counts[r] + (counts[r + p] if r + p < n else 0) for r in range(p)]
+    t = 0.0
+    if p < n:
+        extra = max(counts[p:])
+        t += 2 * cost.time(2, 8 + stream(extra)) + cost.time(0, stream(total))
+    group = 1
+    while group < p:
+        partial = max(sum(folded[g : g + group]) for g in range(0, p, group))
+        t += cost.time(2, 8 + stream(min(total, partial)))
+        group *= 2
+    out["recursive_doubling"] = t
+    # split-allgather: counts, the reduce-scatter, headers, the all-gather of owned ranges
+    share = numel / n
+    union_share = total / n
+    out["split_allgather"] = (
+        cost.time(n - 1, (n - 1) * 8 * n)
+        + cost.time(n - 1, max(counts) * pair * (n - 1) / n)
+        + cost.time(n - 1, (n - 1) * 8)
+        + cost.time(n - 1, (n - 1) * stream(union_share, share))
+    )
+    return out
+
+
+def choose_algorithm(
+    counts: Sequence[int], numel: int, row_bytes: int, index_bytes: int | None = None,
+    cost: CostModel | None = None, union: int | None = None,
+) -> str:  # fmt: skip
+    """The algorithm of least :func:`estimate_costs` (ties: the order of :data:`ALGORITHMS`)."""
+    costs = estimate_costs(counts, numel, row_bytes, index_bytes, cost, union)
+    return min(ALGORITHMS, key=lambda a: costs[a])
+
+
+# ------------------------------------------------------------------------------- algorithms
+def _check(indices: Tensor, values: Tensor, numel: int) -> None:
+    if indices.dim() != 1 or indices.dtype.is_floating_point or indices.dtype == torch.bool:
+        raise ValueError(
+            f"sparse_allreduce: indices must be a 1-D integer tensor, got {indices.dtype} "
+            f"of shape {tuple(indices.shape)}"
+        )
+    if values.dim() < 1 or values.shape[0] != indices.numel():
+        raise ValueError(
+            f"sparse_allreduce: values must have one row per index ({indices.numel()}), got "
+            f"shape {tuple(values.shape)}"
+        )
+    if not values.dtype.is_floating_point:
+        raise ValueError(f"sparse_allreduce: values must be floating point, got {values.dtype}")
+    if numel < 1:
+        raise ValueError(f"sparse_allreduce: numel must be >= 1, got {numel}")
+    if indices.numel():
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or hi >= numel:
+            raise ValueError(
+                f"sparse_allreduce: indices must lie in [0, {numel}), got [{lo}, {hi}]"
+            )
+        if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+            raise ValueError(
+                "sparse_allreduce: indices must be sorted and unique (torch.sort / "
+                "torch.unique them, summing repeated indices' values)"
+            )
+
+
+def _allgather(comm: _Comm, s: _Stream, counts: list[int], numel: int, shape, acc, idt):
+    row = math.prod(shape) * acc.itemsize
+    longest = max(_packed_bytes(c, numel, row, idt.itemsize) for c in counts)
+    buf = _pack(s, idt)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=buf.device)
+    padded[: buf.numel()] = buf
+    gathered = comm.all_gather(padded)
+    streams = [_unpack(g, c, shape, acc, idt, numel) for g, c in zip(gathered, counts, strict=True)]
+    return _sum_in_order(streams, numel)
+
+
+def _swap_stream(comm: _Comm, peer: int, s: _Stream, numel: int, shape, acc, idt) -> _Stream:
+    mine = comm.header(s.count)
+    theirs = torch.empty_like(mine)
+    comm.swap(peer, mine, theirs)
+    count = int(theirs.item())
+    row = math.prod(shape) * acc.itemsize
+    recv = torch.empty(_packed_bytes(count, numel, row, idt.itemsize), dtype=torch.uint8,
+                       device=s.val.device)  # fmt: skip
+    comm.swap(peer, _pack(s, idt), recv)
+    return _unpack(recv, count, shape, acc, idt, numel)
+
+
+def _send_stream(comm: _Comm, peer: int, s: _Stream, idt) -> None:
+    comm.send(peer, comm.header(s.count))
+    comm.send(peer, _pack(s, idt))
+
+
+def _recv_stream(comm: _Comm, peer: int, numel: int, shape, acc, idt, device) -> _Stream:
+    head = comm.header(0)
+    comm.recv(peer, head)
+    count = int(head.item())
+    row = math.prod(shape) * acc.itemsize
+    buf = torch.empty(_packed_bytes(count, numel, row, idt.itemsize), dtype=torch.uint8,
+                      device=device)  # fmt: skip
+    comm.recv(peer, buf)
+    return _unpack(buf, count, shape, acc, idt, numel)
+
+
+def _recursive_doubling(comm: _Comm, s: _Stream, numel: int, shape, acc, idt, threshold):
+    n, r = comm.size, comm.rank
+    p = 1 << (n.bit_length() - 1)
+    device = s.val.device
+    s = _maybe_densify(s, numel, threshold)
+    if r >= p:  # folded: hand the stream to r - p, get the sum back
+        _send_stream(comm, r - p, s, idt)
+        return _recv_stream(comm, r - p, numel, shape, acc, idt, device)
+    if r + p < n:
+        extra = _recv_stream(comm, r + p, numel, shape, acc, idt, device)
+        s = _maybe_densify(_sum_in_order([s, extra], numel), numel, threshold)
+    step = 1
+    while step < p:
+        peer = r ^ step
+        other = _swap_stream(comm, peer, s, numel, shape, acc, idt)
+        pair = [s, other] if r < peer else [other, s]  # the lower group first, on both sides
+        s = _maybe_densify(_sum_in_order(pair, numel), numel, threshold)
+        step *= 2
+    if r + p < n:
+        _send_stream(comm, r + p, s, idt)
+    return s
+
+
+def _split_allgather(comm: _Comm, s: _Stream, numel: int, shape, acc, idt,
+                     dest_counts: list[list[int]] | None):  # fmt: skip
+    n, r = comm.size, comm.rank
+    bounds = range_bounds(numel, n)
+    device = s.val.device
+    row = math.prod(shape) * acc.itemsize
+    if s.idx is None:  # a dense input: split it by range as a full stream
+        s = _Stream(torch.arange(numel, device=device), s.val)
+    cuts = torch.searchsorted(s.idx, torch.tensor(bounds, device=device)).tolist()
+    mine = [cuts[j + 1] - cuts[j] for j in range(n)]
+    if dest_counts is None:
+        dest_counts = [t.tolist() for t in comm.all_gather(torch.tensor(mine, device=device))]
+    # sparse reduce-scatter: range j's pairs to its owner j
+    parts = [_Stream(s.idx[cuts[j] : cuts[j + 1]], s.val[cuts[j] : cuts[j + 1]]) for j in range(n)]
+    sends = {j: _pack(parts[j], idt) for j in range(n) if j != r}
+    recvs = {j: torch.empty(dest_counts[j][r] * (idt.itemsize + row), dtype=torch.uint8,
+                            device=device) for j in range(n) if j != r}  # fmt: skip
+    comm.exchange(sends, recvs)
+    lo, hi = bounds[r], bounds[r + 1]
+    streams = [parts[r] if j == r else _unpack(recvs[j], dest_counts[j][r], shape, acc, idt, numel)
+               for j in range(n)]  # fmt: skip
+    owned = _sum_in_order(streams, numel)  # rank order
+    width = hi - lo
+    if owned.idx is not None and owned.idx.numel() >= dense_threshold(width, row, idt.itemsize):
+        dense = owned.val.new_zeros((width, *shape))
+        dense[owned.idx - lo] = owned.val
+        owned = _Stream(None, dense)
+    # all-gather of the owned ranges: their lengths, then the streams point to point
+    heads = [int(t.item()) for t in comm.all_gather(comm.header(owned.count))]
+    packed = _pack(owned, idt)
+    sends = {j: packed for j in range(n) if j != r}
+    recvs = {}
+    for j in range(n):
+        if j != r:
+            nbytes = _packed_bytes(heads[j], bounds[j + 1] - bounds[j], row, idt.itemsize)
+            recvs[j] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    comm.exchange(sends, recvs)
+    ranges = []
+    for j in range(n):
+        width_j = bounds[j + 1] - bounds[j]
+        got = owned if j == r else _unpack(recvs[j], heads[j], shape, acc, idt, width_j)
+        ranges.append((j, got))  # sparse ranges carry global indices
+    if all(g.idx is not None for _, g in ranges):
+        return _Stream(torch.cat([g.idx for _, g in ranges]), torch.cat([g.val for _, g in ranges]))
+    out = s.val.new_zeros((numel, *shape)).to(acc)
+    for j, g in ranges:
+        if g.idx is None:
+            out[bounds[j] : bounds[j + 1]] = g.val
+        elif g.idx.numel():
+            out[g.idx] = g.val
+    return _Stream(None, out)
+
+
+def sparse_allreduce(
+    indices: Tensor,
+    values: Tensor,
+    numel: int,
+    *,
+    algorithm: str = "auto",
+    group: object | None = None,
+    cost: CostModel | None = None,
+    union: int | None = None,
+) -> SparseResult:
+    """Sum a sparse vector (or row-sparse matrix) over the workers of ``group``.
+
+    Args:
+        indices: this worker's non-zero positions, 1-D, sorted and unique, in ``[0, numel)``.
+        values: their values, ``(len(indices), *row)`` (a row per index for a row-sparse
+            ``(numel, *row)`` matrix). Summed in fp32 (fp64 for fp64 values).
+        numel: the length of the dense vector (rows of the matrix).
+        algorithm: ``auto`` or one of :data:`ALGORITHMS` (module docstring).
+        group: the process group (default: the world).
+        cost: the cost model of ``auto`` (default :class:`CostModel`).
+        union: ``auto``'s estimate of the sum's non-zeros, the same on every worker (e.g.
+            the previous call's ``result.nnz``); default: the disjoint-supports bound.
+
+    Returns:
+        A :class:`SparseResult`, the same on every worker.
+
+    Raises:
+        ValueError: bad indices/values, or an unknown algorithm.
+    """
+    if algorithm not in CHOICES:
+        raise ValueError(
+            f"sparse allreduce algorithm {algorithm!r}: choose one of {', '.join(CHOICES)}"
+        )
+    _check(indices, values, numel)
+    acc = _acc_dtype(values.dtype)
+    shape = tuple(values.shape[1:])
+    s = _Stream(indices.long(), values.to(acc))
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return SparseResult(numel, s.idx, s.val.clone(), "local")
+    comm = _Comm(group, values.device)
+    idt = _index_dtype(numel)
+    row = _row_bytes(values, acc)
+    threshold = dense_threshold(numel, row, idt.itemsize)
+    counts: list[int] | None = None
+    dest_counts = None
+    if algorithm in ("auto", "allgather"):
+        if algorithm == "auto":  # per-range counts: split-allgather reuses them
+            bounds = torch.tensor(range_bounds(numel, comm.size), device=values.device)
+            cuts = torch.searchsorted(s.idx, bounds).tolist()
+            mine = torch.tensor([cuts[j + 1] - cuts[j] for j in range(comm.size)],
+                                device=values.device)  # fmt: skip
+            dest_counts = [t.tolist() for t in comm.all_gather(mine)]
+            counts = [sum(c) for c in dest_counts]
+            algorithm = choose_algorithm(counts, numel, row, idt.itemsize, cost, union)
+        else:
+            counts = [int(t.item()) for t in comm.all_gather(comm.header(s.count))]
+    if algorithm == "dense":
+        buf = s.densify(numel).val
+        if buf is s.val:
+            buf = buf.clone()
+        comm.all_reduce(buf)
+        out = _Stream(None, buf)
+    elif algorithm == "allgather":
+        assert counts is not None
+        out = _allgather(comm, s, counts, numel, shape, acc, idt)
+    elif algorithm == "recursive_doubling":
+        out = _recursive_doubling(comm, s, numel, shape, acc, idt, threshold)
+    else:
+        out = _split_allgather(comm, s, numel, shape, acc, idt, dest_counts)
+    return SparseResult(numel, out.idx, out.val, algorithm, comm.bytes, comm.messages)
