@@ -275,6 +275,18 @@ def main(out: Path) -> None:
         dist.all_gather(owns, own)
         res["qsgd"] = {"mean": mean, "owns": owns, "sent": sent}
 
+        # top-k through every sparse-allreduce algorithm vs the decoded vectors' mean
+        topk = {}
+        for algorithm in ("auto", "allgather", "recursive_doubling", "split_allgather", "dense"):
+            report = {}
+            mean, own, sent = compressed_allreduce(
+                TopK(ratio=0.05), x, env, sparse_algorithm=algorithm, report=report
+            )
+            owns = [torch.empty_like(own) for _ in range(2)]
+            dist.all_gather(owns, own)
+            topk[algorithm] = {"mean": mean, "owns": owns, "report": report}
+        res["topk"] = topk
+
         # Resuming a checkpoint continues bit-for-bit (each rank's own state given back).
         res["resume"] = {mode: resumed_vs_straight(env, mode, out) for mode in RESUMABLE}
 

@@ -119,6 +119,21 @@ def test_qsgd_allreduce_is_the_mean_of_the_decoded_vectors(ranks):
     assert torch.equal(ranks[0]["qsgd"]["mean"], ranks[1]["qsgd"]["mean"])
 
 
+def test_topk_pairs_are_summed_exactly_by_every_sparse_algorithm(ranks):
+    """Two workers' values are added in one operation, so every algorithm gives the bits of
+    the decoded vectors' sum; the report names the algorithm and its bytes."""
+    for r in ranks:
+        for algorithm, t in r["topk"].items():
+            assert torch.equal(t["mean"], (t["owns"][0] + t["owns"][1]) / 2), algorithm
+            if algorithm != "auto":
+                assert t["report"]["collective"] == algorithm
+            assert t["report"]["wire_bytes"] > 0
+    allgather = ranks[0]["topk"]["allgather"]["report"]
+    assert allgather["wire_bytes"] == 8 + 8 * 50  # the lengths, then 50 pairs to 1 peer
+    dense = ranks[0]["topk"]["dense"]["report"]
+    assert dense["wire_bytes"] == 1000 * 4  # ring all-reduce at 2 workers: the buffer once
+
+
 # Held-out top-1 of a 64-64-10 MLP on scikit-learn's digits after 6 epochs on 2 ranks (plain
 # SGD averaging reaches ~0.96 with this recipe; see test_adasum.py).
 DIGITS_ACCURACY = 0.9

@@ -1,0 +1,194 @@
+"""Sparse allreduce vs the all-gather of pairs vs the dense all-reduce: gloo processes, time and bytes.
+
+Ours: :func:`trainers.comm.sparse.sparse_allreduce` with each algorithm (``recursive_doubling``,
+``split_allgather``, ``dense``, ``allgather``) and ``auto`` (its cost model's choice).
+Peers: what a framework without a sparse allreduce does --
+
+* ``peer_allgather``: ``dist.all_gather`` of every worker's k fp32 values and int32 indices,
+  then the decoded dense vectors summed (the collective ``topk`` used before this module);
+* ``peer_dense``: scatter into a dense fp32 buffer and ``dist.all_reduce`` it.
+
+Every worker holds ``k = density * numel`` pairs. ``--overlap`` is the fraction of each
+worker's support drawn from a set all workers share (top-k gradients of one model overlap);
+the rest is the worker's own random draw. Each round runs every method once, in an order that
+rotates with the round, on the same inputs; a method's time is the slowest rank's. For each
+setting the script prints min/median/max per method, the bytes one worker sent, the sum's
+non-zeros, ``auto``'s choice, and ``ratio=<peer_allgather median / auto median>``.
+
+Usage: python benchmarks/bench_sparse.py [--worlds 2,4,8] [--densities 0.001,0.01,0.1]
+           [--numel 4194304] [--overlap 0.5] [--rounds 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trainers.comm.sparse import ALGORITHMS, CostModel, estimate_costs, sparse_allreduce
+
+OURS = ("auto", "recursive_doubling", "split_allgather", "allgather", "dense")
+PEERS = ("peer_allgather", "peer_dense")
+
+
+def peer_allgather(idx: torch.Tensor, val: torch.Tensor, numel: int) -> tuple[torch.Tensor, int]:
+    world = dist.get_world_size()
+    vals = [torch.empty_like(val) for _ in range(world)]
+    inds = [torch.empty_like(idx) for _ in range(world)]
+    dist.all_gather(vals, val)
+    dist.all_gather(inds, idx)
+    total = torch.zeros(numel)
+    for v, i in zip(vals, inds, strict=True):
+        total.index_add_(0, i.long(), v)
+    return total, (world - 1) * (val.numel() * 4 + idx.numel() * 4)
+
+
+def peer_dense(idx: torch.Tensor, val: torch.Tensor, numel: int) -> tuple[torch.Tensor, int]:
+    world = dist.get_world_size()
+    buf = torch.zeros(numel)
+    buf[idx.long()] = val
+    dist.all_reduce(buf)
+    return buf, round(2 * (world - 1) / world * numel * 4)
+
+
+def supports(numel: int, k: int, overlap: float, rank: int, setting: int) -> torch.Tensor:
+    shared = torch.Generator().manual_seed(10_000 + setting)
+    own = torch.Generator().manual_seed(20_000 + 100 * setting + rank)
+    n_shared = round(overlap * k)
+    common = torch.randperm(numel, generator=shared)[:n_shared]
+    mine = torch.randperm(numel, generator=own)[: 2 * k]
+    idx = torch.unique(torch.cat([common, mine]))[:k] if n_shared < k else torch.unique(common)
+    while idx.numel() < k:  # the own draw collided with the shared set: top up
+        idx = torch.unique(torch.cat([idx, torch.randperm(numel, generator=own)[:k]]))[:k]
+    return torch.sort(idx).values
+
+
+def timed(fn) -> tuple[float, object]:
+    dist.barrier()
+    start = time.perf_counter()
+    out = fn()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed), out
+
+
+def run_world(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows = []
+    for s, density in enumerate(args.densities):
+        k = max(1, round(density * args.numel))
+        idx = supports(args.numel, k, args.overlap, rank, s)
+        val = torch.randn(k, generator=torch.Generator().manual_seed(rank))
+        union = None
+        methods = {
+            name: (lambda a=name: sparse_allreduce(idx, val, args.numel, algorithm=a))
+            for name in OURS
+        }
+        methods["peer_allgather"] = lambda: peer_allgather(idx.to(torch.int32), val, args.numel)
+        methods["peer_dense"] = lambda: peer_dense(idx, val, args.numel)
+        names = list(methods)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        info: dict[str, dict] = {}
+        for name in names:  # warm-up, and the check that every method gives the same sum
+            _, out = timed(methods[name])
+            dense = out.to_dense() if hasattr(out, "to_dense") else out[0]
+            info[name] = {
+                "bytes": out.bytes_sent if hasattr(out, "bytes_sent") else out[1],
+                "messages": getattr(out, "messages", None),
+                "algorithm": getattr(out, "algorithm", name),
+                "max_abs_diff": 0.0,
+            }
+            if name == names[0]:
+                reference = dense
+                union = out.nnz
+            else:
+                info[name]["max_abs_diff"] = float((dense - reference).abs().max())
+        for r in range(args.rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for name in order:
+                times[name].append(timed(methods[name])[0])
+        if rank == 0:
+            rows.append({"world": world, "numel": args.numel, "density": density, "k": k,
+                         "overlap": args.overlap, "union": union, "info": info,
+                         "times": times})  # fmt: skip
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worlds", default="2,4,8")
+    parser.add_argument("--densities", default="0.001,0.01,0.1")
+    parser.add_argument("--numel", type=int, default=1 << 22)
+    parser.add_argument("--overlap", type=float, default=0.5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args()
+    args.densities = [float(x) for x in args.densities.split(",")]
+    ctx = mp.get_context("spawn")
+    all_rows = []
+    for world in [int(w) for w in args.worlds.split(",")]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        queue = ctx.Queue()
+        mp.spawn(run_world, args=(world, port, args, queue), nprocs=world)
+        rows = queue.get()
+        all_rows += rows
+        for row in rows:
+            print(f"\n{world} gloo processes, numel {row['numel']}, density {row['density']:.3%}"
+                  f" (k={row['k']}, overlap {row['overlap']}), sum non-zeros {row['union']}")  # fmt: skip
+            for name, ts in row["times"].items():
+                i = row["info"][name]
+                chosen = f" -> {i['algorithm']}" if name == "auto" else ""
+                print(f"  {name:19s} min {min(ts) * 1e3:8.2f}  median {statistics.median(ts) * 1e3:8.2f}"
+                      f"  max {max(ts) * 1e3:8.2f} ms  {i['bytes'] / 1e6:8.3f} MB sent"
+                      f"  |diff| {i['max_abs_diff']:.1e}{chosen}")  # fmt: skip
+            med = {n: statistics.median(t) for n, t in row["times"].items()}
+            print(f"  ratio={med['peer_allgather'] / med['auto']:.3f} (all-gather peer / auto)")
+    calibrate(all_rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(all_rows, f, indent=1)
+
+
+def calibrate(rows: list[dict]) -> None:
+    """Fit ``time = messages * latency + bytes / bandwidth`` to the algorithms' medians, then
+    compare the winner the cost formulas predict (with the fitted constants, on the true
+    stream lengths and the measured sum size) with the measured winner, per setting."""
+    a, b = [], []
+    for row in rows:
+        for name in ALGORITHMS:
+            i = row["info"][name]
+            a.append([i["messages"], i["bytes"]])
+            b.append([statistics.median(row["times"][name])])
+    sol = torch.linalg.lstsq(torch.tensor(a, dtype=torch.float64),
+                             torch.tensor(b, dtype=torch.float64)).solution[:, 0]  # fmt: skip
+    latency, per_byte = max(float(sol[0]), 1e-7), max(float(sol[1]), 1e-13)
+    cost = CostModel(latency=latency, bandwidth=1 / per_byte)
+    print(f"\nfitted cost model: latency {latency * 1e6:.0f} us per message, "
+          f"bandwidth {1 / per_byte / 1e9:.2f} GB/s")  # fmt: skip
+    agree = 0
+    for row in rows:
+        counts = [row["k"]] * row["world"]
+        est = estimate_costs(counts, row["numel"], 4, cost=cost, union=row["union"])
+        predicted = min(ALGORITHMS, key=lambda n: est[n])
+        measured = min(ALGORITHMS, key=lambda n: statistics.median(row["times"][n]))
+        agree += predicted == measured
+        print(f"  {row['world']} procs, density {row['density']:.3%}: formula -> {predicted}, "
+              f"measured fastest {measured}, auto ran {row['info']['auto']['algorithm']}")  # fmt: skip
+    print(f"formula_agrees={agree}/{len(rows)}")
+
+
+if __name__ == "__main__":
+    main()
