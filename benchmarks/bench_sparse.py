@@ -90,11 +90,12 @@ def run_world(rank: int, world: int, port: int, args: argparse.Namespace, queue)
         val = torch.randn(k, generator=torch.Generator().manual_seed(rank))
         union = None
         methods = {
-            name: (lambda a=name: sparse_allreduce(idx, val, args.numel, algorithm=a))
+            name: (lambda a=name, i=idx, v=val: sparse_allreduce(i, v, args.numel, algorithm=a))
             for name in OURS
         }
-        methods["peer_allgather"] = lambda: peer_allgather(idx.to(torch.int32), val, args.numel)
-        methods["peer_dense"] = lambda: peer_dense(idx, val, args.numel)
+        i32 = idx.to(torch.int32)
+        methods["peer_allgather"] = lambda i=i32, v=val: peer_allgather(i, v, args.numel)
+        methods["peer_dense"] = lambda i=idx, v=val: peer_dense(i, v, args.numel)
         names = list(methods)
         times: dict[str, list[float]] = {n: [] for n in names}
         info: dict[str, dict] = {}
