@@ -13,12 +13,17 @@ More recipes (docs/linear.md):
         --nnz-per-row 20 --synthetic-samples 200000 --solver casgd --s-steps 8 --batch-size 256
     python scripts/train_linear.py --dataset svmlight --data-file train.svm --n-features 47236
     torchrun --nproc-per-node 2 scripts/train_linear.py --solver casgd --s-steps 4
+    torchrun --nproc-per-node 4 scripts/train_linear.py --solver sgd --grad-combine symsgd
 
 Under ``torchrun --nproc-per-node N``: L-BFGS is data parallel (each rank holds a contiguous
 shard of the training rows; one all-reduce of [loss, gradient] per evaluation); SGD and CA-SGD
 are feature partitioned (each rank holds a block of the columns, the intercept column on the
-last rank). ``--sa-batches K`` feeds L-BFGS the training rows in K batches with the
-statistically adjusted objective of :mod:`trainers.linear.lbfgs`. The run log
+last rank). ``--solver sgd --grad-combine allreduce|average|symsgd`` partitions the rows
+instead (:mod:`trainers.linear.rowparallel`): every rank holds the whole weight vector, a
+round is ``N * --round-batches`` mini-batches, and the workers' contributions are combined by
+a sparse all-reduce of the gradients, by model averaging, or by SymSGD's sound combiner.
+``--sa-batches K`` feeds L-BFGS the training rows in K batches with the statistically
+adjusted objective of :mod:`trainers.linear.lbfgs`. The run log
 (``--run-log``) has a ``step`` record per iteration or mini-batch round, an ``epoch`` and an
 ``eval`` record per epoch (L-BFGS: per arriving batch) and an ``end`` record with the final
 test metrics; ``scripts/reproduce.py`` reruns it.
@@ -56,17 +61,22 @@ from modelzoo.linear.svmlight import SvmlightFormatError
 from trainers import DistEnv, RunLogger, make_header
 from trainers.checkpoint import CheckpointError
 from trainers.cli import ArgumentParser, add_elastic_args, add_tensorboard_args, elastic_config
+from trainers.comm.sparse import ALGORITHMS as SPARSE_ALGORITHMS
 from trainers.linear import (
+    COMBINERS,
+    CURVATURES,
     ElasticStateMismatch,
     FeaturePartitionedSGD,
     LBFGSConfig,
     LinearElastic,
     Messenger,
+    RowParallelSGD,
     StatisticallyAdjustedLBFGS,
     column_blocks,
     epoch_batches,
     gather_rows,
 )
+from trainers.linear.rowparallel import DEFAULT_ROUND_BATCHES
 
 DATASETS = ("breast_cancer", "digits", "wine", "diabetes", "synthetic", "svmlight")
 SOLVERS = ("lbfgs", "sgd", "casgd")
@@ -109,6 +119,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=("fp64", "fp32", "bf16", "fp16"),
                    help="sgd/casgd: bf16/fp16 data and margins, fp32 Gram and updates")  # fmt: skip
     m.add_argument("--latency-ms", type=float, default=0.0, help="sleep before each all-reduce")
+    m.add_argument("--grad-combine", type=str.lower, default=None, choices=COMBINERS,
+                   help="sgd: partition the rows instead of the features and combine the "
+                   "workers with a sparse all-reduce of the gradients (allreduce), model "
+                   "averaging (average) or SymSGD's sound combiner (symsgd)")  # fmt: skip
+    m.add_argument("--round-batches", type=int, default=None,
+                   help="--grad-combine: mini-batches per worker per round (allreduce: 1; "
+                   f"default average {DEFAULT_ROUND_BATCHES['average']}, symsgd "
+                   f"{DEFAULT_ROUND_BATCHES['symsgd']})")  # fmt: skip
+    m.add_argument("--sparse-allreduce", type=str.lower, default="auto",
+                   choices=("auto", *SPARSE_ALGORITHMS),
+                   help="--grad-combine allreduce: the sparse all-reduce algorithm")  # fmt: skip
+    m.add_argument("--symsgd-rank", type=int, default=None,
+                   help="--grad-combine symsgd: projection columns k (default 16)")  # fmt: skip
+    m.add_argument("--symsgd-exact", action="store_true",
+                   help="--grad-combine symsgd: exact d x d maps instead of the projection "
+                   "(small d only; a test mode)")  # fmt: skip
 
     o = p.add_argument_group("training and logging")
     o.add_argument("--batch-size", type=int, default=32, help="sgd/casgd: rows per mini-batch")
@@ -146,6 +172,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--test-fraction must be in (0, 1), got {args.test_fraction}")
     if args.solver != "lbfgs" and args.sa_batches > 1:
         p.error("--sa-batches is an L-BFGS option; use --solver lbfgs")
+    _check_row_parallel(p, args)
     if args.lr is None:
         args.lr = 1.0 if args.solver == "lbfgs" else 0.1
     if args.elastic_lr_scaling == "linear":
@@ -156,6 +183,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--elastic-checkpoint-steps must be at least 1, got "
                 f"{args.elastic_checkpoint_steps}")  # fmt: skip
     return args
+
+
+def _check_row_parallel(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--grad-combine`` and its options: only with ``--solver sgd``, each with its combiner;
+    fills in the defaults."""
+    combine = args.grad_combine
+    if combine is None:
+        for flag, unset in (("round_batches", None), ("symsgd_rank", None),
+                            ("symsgd_exact", False), ("sparse_allreduce", "auto")):  # fmt: skip
+            if getattr(args, flag) != unset:
+                p.error(f"--{flag.replace('_', '-')} is a --grad-combine option; add "
+                        "--solver sgd --grad-combine allreduce|average|symsgd")  # fmt: skip
+        return
+    if args.solver != "sgd":
+        p.error(f"--grad-combine {combine} is row-partitioned SGD: use --solver sgd "
+                f"(--solver {args.solver} has its own communication)")  # fmt: skip
+    if args.elastic_dir is not None:
+        p.error("--elastic-dir is not supported with --grad-combine (the saved state is the "
+                "feature-partitioned one); drop one of them")  # fmt: skip
+    if args.round_batches is not None and args.round_batches < 1:
+        p.error(f"--round-batches must be at least 1, got {args.round_batches}")
+    if combine == "allreduce" and args.round_batches not in (None, 1):
+        p.error(f"--grad-combine allreduce steps once per round with the global batch: "
+                f"--round-batches must be 1 (got {args.round_batches}); use average or symsgd "
+                "for several local mini-batches per round")  # fmt: skip
+    if combine != "allreduce" and args.sparse_allreduce != "auto":
+        p.error("--sparse-allreduce is a --grad-combine allreduce option")
+    if combine != "symsgd" and (args.symsgd_rank is not None or args.symsgd_exact):
+        p.error("--symsgd-rank and --symsgd-exact are --grad-combine symsgd options")
+    if combine == "symsgd":
+        if args.loss == "multinomial":
+            p.error(_MULTINOMIAL_SYMSGD)
+        if args.symsgd_rank is not None and args.symsgd_rank < 1:
+            p.error(f"--symsgd-rank must be at least 1, got {args.symsgd_rank}")
+        if args.symsgd_rank is None:
+            args.symsgd_rank = 16
+    if args.round_batches is None:
+        args.round_batches = DEFAULT_ROUND_BATCHES[combine]
+
+
+_MULTINOMIAL_SYMSGD = (
+    "--grad-combine symsgd needs a loss with one margin per example (squared, logistic, hinge, "
+    "squared_hinge): the multinomial loss has one per class; use --grad-combine allreduce or "
+    "average, or --solver sgd without --grad-combine"
+)
+_ROW_PARALLEL_FLAGS = ("grad_combine", "round_batches", "sparse_allreduce", "symsgd_rank",
+                       "symsgd_exact")  # fmt: skip
 
 
 # Flags that fix the trajectory: a saved elastic state with other values is refused.
@@ -412,6 +486,76 @@ def train_sgd(
             "messages": messenger.messages, **test}  # fmt: skip
 
 
+def train_rowparallel(
+    args: argparse.Namespace,
+    env: DistEnv,
+    logger: RunLogger,
+    data: dict[str, Any],
+    loss: str,
+    dtype: torch.dtype,
+    elastic: LinearElastic | None = None,
+    resume: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Row-partitioned SGD (``--grad-combine``); the ``end`` record's metrics.
+
+    Every rank loads all the data and the whole ``w``; a step record per round (or every
+    ``--log-interval`` rounds) with the combiner, the bytes this rank sent in the round and
+    in all (``round_bytes``, ``bytes_sent``) and, for ``allreduce``, the sparse algorithm.
+    """
+    assert elastic is None and resume is None  # refused by parse_args
+    X, y = add_intercept_column(data["X_train"]), data["y_train"]
+    X_test = add_intercept_column(data["X_test"])
+    C = data["num_classes"] if loss == "multinomial" else 1
+    messenger = Messenger(latency=args.latency_ms / 1000)
+    try:
+        sgd = RowParallelSGD(X, y, LOSSES[loss].derivative, combine=args.grad_combine,
+                             lr=args.lr, l2=args.wd, num_outputs=C, loss_value=LOSSES[loss].value,
+                             curvature=CURVATURES.get(loss), round_batches=args.round_batches,
+                             sparse_algorithm=args.sparse_allreduce,
+                             symsgd_rank=args.symsgd_rank or 16, exact=args.symsgd_exact,
+                             seed=args.seed, precision=args.precision,
+                             messenger=messenger)  # fmt: skip
+    except ValueError as e:
+        raise SystemExit(f"--grad-combine {args.grad_combine}: {e}") from None
+    budget = args.max_steps if args.max_steps is not None else math.inf
+    start, epochs, round_index = time.perf_counter(), 0, 0
+    for epoch in range(args.num_epochs):
+        if sgd.steps >= budget:
+            break
+        t0 = time.perf_counter()
+        batches = epoch_batches(X.shape[0], args.batch_size, seed=args.seed, epoch=epoch)
+        if budget < math.inf:
+            batches = batches[: int(budget - sgd.steps)]
+        size = sgd.batches_per_round
+        for r, first in enumerate(range(0, len(batches), size)):
+            group = batches[first : first + size]
+            sgd.round(group, round_index)
+            round_index += 1
+            if (r + 1) % args.log_interval == 0:
+                rows = sum(int(b.numel()) for b in batches[: first + len(group)])
+                extra = {}
+                if sgd.combine == "allreduce":
+                    extra["sparse_algorithm"] = sgd.last_algorithm
+                logger.step(epoch=epoch, batch=r, step=sgd.steps, loss=sgd.mean_round_loss(),
+                            lr=args.lr, samples_per_sec=rows / max(time.perf_counter() - t0, 1e-9),
+                            messages=messenger.messages, combiner=sgd.combine,
+                            round_bytes=sgd.round_bytes, bytes_sent=sgd.bytes_sent, **extra)  # fmt: skip
+        elapsed = time.perf_counter() - t0
+        logger.epoch(epoch=epoch, step=sgd.steps, loss=sgd.objective(LOSSES[loss].value),
+                     time_cost=elapsed, samples_per_sec=X.shape[0] / max(elapsed, 1e-9),
+                     messages=messenger.messages, bytes_sent=sgd.bytes_sent)  # fmt: skip
+        m = sgd.margins(X_test)
+        logger.eval(epoch=epoch, step=sgd.steps,
+                    **metrics(data["task"], m[:, 0] if C == 1 else m, data["y_test"], loss, "test"))  # fmt: skip
+        epochs += 1
+    m = sgd.margins(X_test)
+    test = metrics(data["task"], m[:, 0] if C == 1 else m, data["y_test"], loss, "test")
+    return {"steps": sgd.steps, "epochs": epochs, "total_time": time.perf_counter() - start,
+            "train_objective": sgd.objective(LOSSES[loss].value),
+            "messages": messenger.messages, "bytes_sent": sgd.bytes_sent,
+            "combiner": sgd.combine, **test}  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -424,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         (loss == "squared") != (data["task"] == "regression")
     ):
         raise SystemExit(f"--loss {loss} does not fit the {data['task']} labels of {args.dataset}")
+    if args.grad_combine == "symsgd" and loss == "multinomial":
+        raise SystemExit(_MULTINOMIAL_SYMSGD)
     elastic, resume, appending = None, None, False
     config = elastic_config(args)
     if config is not None:
@@ -441,12 +587,16 @@ def main(argv: list[str] | None = None) -> int:
     if not appending:
         logger.write(make_header(command, args.seed, env.world_size, _header_config(args)))
     n, d = data["X_train"].shape
+    solver = args.solver if args.grad_combine is None else f"sgd/{args.grad_combine} (rows)"
     logger.info(f"{args.dataset}: {n} training / {data['X_test'].shape[0]} test examples, "
-                f"{d} features, {data['task']}; {loss} loss, {args.solver} on "
+                f"{d} features, {data['task']}; {loss} loss, {solver} on "
                 f"{env.world_size} process(es)")  # fmt: skip
     if elastic is not None:
         elastic.start(logger, resume)  # the membership record, the ledger
-    train = train_lbfgs if args.solver == "lbfgs" else train_sgd
+    if args.solver == "lbfgs":
+        train = train_lbfgs
+    else:
+        train = train_sgd if args.grad_combine is None else train_rowparallel
     result = train(args, env, logger, data, loss, dtype, elastic, resume)
     logger.end(**result)
     if elastic is not None:
@@ -461,11 +611,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _header_config(args: argparse.Namespace) -> argparse.Namespace:
-    """The flags for the header; without ``--elastic-dir`` the elastic ones are left out, so
-    a non-elastic run's header is what it was before they existed."""
-    if args.elastic_dir is not None:
-        return args
-    return argparse.Namespace(**{k: v for k, v in vars(args).items() if "elastic" not in k})
+    """The flags for the header; without ``--elastic-dir`` the elastic ones are left out, and
+    without ``--grad-combine`` the row-parallel ones, so a run's header is what it was before
+    they existed."""
+
+    def kept(flag: str) -> bool:
+        if "elastic" in flag and args.elastic_dir is None:
+            return False
+        return args.grad_combine is not None or flag not in _ROW_PARALLEL_FLAGS
+
+    return argparse.Namespace(**{k: v for k, v in vars(args).items() if kept(k)})
 
 
 if __name__ == "__main__":

@@ -179,3 +179,52 @@ def test_flags_are_dashed_and_never_abbreviated(script):
     flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
     assert "--run-log" in flags and "--max-steps" in flags and "--seed" in flags
     assert [f for f in flags if "_" in f] == [] and parser.allow_abbrev is False
+
+
+def test_row_parallel_sgd_in_one_process_is_the_plain_sgd_run(script, tmp_path):
+    """Every --grad-combine in a world of one is sequential mini-batch SGD: the run of plain
+    (feature-partitioned) --solver sgd on the same flags, to the bit; the row-parallel flags
+    are in the header only when used, and the step records carry the combiner and bytes."""
+    flags = ["--solver", "sgd", "--num-epochs", "2"]
+    plain = _run(script, tmp_path, "plain", *flags)
+    assert "grad_combine" not in plain[0]["config"] and "round_batches" not in plain[0]["config"]
+    for combine, rounds in (("allreduce", 28), ("average", 4), ("symsgd", 10)):
+        extra = ["--round-batches", "3"] if combine == "symsgd" else []
+        records = _run(script, tmp_path, combine, *flags, "--grad-combine", combine, *extra)
+        end, config = records[-1], records[0]["config"]
+        assert config["grad_combine"] == combine
+        for key in ("train_objective", "test_loss", "test_accuracy", "steps"):
+            assert end[key] == plain[-1][key], (combine, key)
+        assert end["messages"] == rounds and end["combiner"] == combine  # 14 mini-batches an epoch
+        steps = [r for r in records if r["kind"] == "step"]
+        assert len(steps) == rounds and steps[-1]["step"] == 28
+        assert all(r["combiner"] == combine and r["round_bytes"] == 0 for r in steps)
+        if combine == "allreduce":
+            assert {r["sparse_algorithm"] for r in steps} == {"local"}
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--solver", "lbfgs", "--grad-combine", "symsgd"], "use --solver sgd"),
+        (["--solver", "casgd", "--grad-combine", "allreduce"], "use --solver sgd"),
+        (["--solver", "sgd", "--grad-combine", "average", "--round-batches", "0"],
+         "--round-batches must be at least 1, got 0"),
+        (["--solver", "sgd", "--grad-combine", "allreduce", "--round-batches", "4"],
+         "--round-batches must be 1"),
+        (["--solver", "sgd", "--grad-combine", "symsgd", "--loss", "multinomial"],
+         "--grad-combine symsgd needs a loss with one margin per example"),
+        (["--dataset", "wine", "--solver", "sgd", "--grad-combine", "symsgd"],
+         "--grad-combine symsgd needs a loss with one margin per example"),
+        (["--solver", "sgd", "--round-batches", "2"], "--round-batches is a --grad-combine option"),
+        (["--solver", "sgd", "--grad-combine", "average", "--symsgd-rank", "4"],
+         "are --grad-combine symsgd options"),
+    ],
+)  # fmt: skip
+def test_row_parallel_bad_flags_error_clearly(script, capsys, args, message):
+    with pytest.raises(SystemExit) as err:
+        script.main(args)
+    if err.value.code == 2:  # the parser's errors
+        assert message in capsys.readouterr().err
+    else:  # the multinomial default of a multiclass data set is known once the data is read
+        assert message in str(err.value.code)
