@@ -19,6 +19,13 @@ import torch.distributed as dist
 from trainers.comm.sparse import ALGORITHMS, sparse_allreduce
 
 NUMEL = 97  # not a multiple of any world size
+# "wide": few non-zeros in a long vector, so that the sums take the sorted-merge path (the
+# others fill a sixteenth of the vector and take the dense scratch buffer)
+WIDE = 5003
+
+
+def numel_of(case: str) -> int:
+    return WIDE if case == "wide" else NUMEL
 
 
 def supports(case: str, world: int, rank: int) -> torch.Tensor:
@@ -34,12 +41,16 @@ def supports(case: str, world: int, rank: int) -> torch.Tensor:
         return torch.tensor([], dtype=torch.long)
     if case == "dense":  # every index on every rank
         return torch.arange(NUMEL)
+    if case == "wide":  # overlapping picks among the first 60, and each rank's own
+        return torch.unique(
+            torch.cat([torch.arange(0, 60, 7), torch.randint(WIDE, (9,), generator=g)])
+        )
     if case == "near_dense":  # ~60 % each: the sum passes the dense threshold
         return torch.sort(torch.randperm(NUMEL, generator=g)[:58]).values
     raise ValueError(case)
 
 
-CASES = ("overlapping", "disjoint", "some_empty", "all_empty", "dense", "near_dense")
+CASES = ("overlapping", "disjoint", "some_empty", "all_empty", "dense", "near_dense", "wide")
 
 
 def values_for(case: str, world: int, rank: int, idx: torch.Tensor, kind: str) -> torch.Tensor:
@@ -64,7 +75,7 @@ def main() -> None:
             for r in range(world):
                 idx = supports(case, world, r)
                 val = values_for(case, world, r, idx, kind)
-                d = torch.zeros((NUMEL, *val.shape[1:]))
+                d = torch.zeros((numel_of(case), *val.shape[1:]))
                 d[idx] = val
                 dense.append(d)
             ordered = torch.zeros_like(dense[0])
@@ -74,11 +85,18 @@ def main() -> None:
             idx = supports(case, world, rank)
             val = values_for(case, world, rank, idx, kind)
             for algorithm in ("auto", *ALGORITHMS):
-                res = sparse_allreduce(idx, val, NUMEL, algorithm=algorithm)
+                res = sparse_allreduce(idx, val, numel_of(case), algorithm=algorithm)
                 results[case, kind, algorithm] = {
                     "sum": res.to_dense(), "algorithm": res.algorithm, "dense": res.dense,
                     "bytes": res.bytes_sent, "nnz": -1 if res.dense else res.indices.numel(),
                 }  # fmt: skip
+                res = sparse_allreduce(idx, val, numel_of(case), algorithm=algorithm,
+                                       dense_output=True)  # fmt: skip
+                results[case, kind, algorithm, "dense_output"] = {
+                    "sum": res.values,
+                    "dense": res.dense,
+                    "bytes": res.bytes_sent,
+                }
             results[case, kind, "ordered"] = ordered
             results[case, kind, "exact"] = exact
             results[case, kind, "abs"] = torch.stack([d.double().abs() for d in dense]).sum(0)

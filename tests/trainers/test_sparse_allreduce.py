@@ -58,6 +58,10 @@ def test_every_algorithm_is_the_dense_sum_on_every_rank(ranks, case):
                 assert bool(((first.double() - exact).abs() <= bound).all()), (case, algorithm)
             if algorithm == "auto":
                 assert got[0]["algorithm"] in ALGORITHMS
+            else:  # the dense output: the same sum and the same messages
+                dense_out = results[0][case, kind, algorithm, "dense_output"]
+                assert dense_out["dense"] and torch.equal(dense_out["sum"], first)
+                assert dense_out["bytes"] == got[0]["bytes"]
 
 
 def test_the_dense_switch_happens_at_the_formulas_count(ranks):

@@ -558,10 +558,13 @@ def compressed_allreduce(
     if compressor.sparse:
         indices, values = compressor.sparse_pairs(payload)
         result = sparse_allreduce(
-            indices, values.to(acc), ctx.numel, algorithm=sparse_algorithm, union=union
-        )
-        report.update(collective=result.algorithm, wire_bytes=result.bytes_sent, nnz=result.nnz)
-        return result.to_dense().div_(n).to(own.dtype), own, sent
+            indices, values.to(acc), ctx.numel, algorithm=sparse_algorithm, union=union,
+            dense_output=True,
+        )  # fmt: skip
+        total = result.to_dense()
+        report.update(collective=result.algorithm, wire_bytes=result.bytes_sent,
+                      nnz=int(torch.count_nonzero(total)))  # fmt: skip
+        return total.div_(n).to(own.dtype), own, sent
     # the sum in fp32 (fp64 for fp64 inputs, so that float64 runs keep their precision)
     total = torch.zeros_like(own, dtype=acc)
     gathered = [[torch.empty_like(t) for _ in range(n)] for t in payload]

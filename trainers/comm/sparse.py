@@ -184,21 +184,35 @@ class _Stream:
         return _Stream(None, out)
 
 
-def _sum_in_order(streams: Sequence[_Stream], numel: int) -> _Stream:
-    """The sum of ``streams`` with each index's values added in the given order, from 0."""
-    if any(s.idx is None for s in streams):
-        first = next(i for i, s in enumerate(streams) if s.idx is None)
-        out = torch.zeros_like(streams[first].val)
+def _sum_in_order(
+    streams: Sequence[_Stream], numel: int, lo: int = 0, dense: bool = False
+) -> _Stream:
+    """The sum of ``streams`` (sparse indices in ``[lo, lo + numel)``; dense ones of
+    ``numel`` rows) with each index's values added in the given order, from 0; ``dense``:
+    returned as a dense buffer."""
+    ref = streams[0].val
+    if dense or any(s.idx is None for s in streams):
+        out = ref.new_zeros((numel, *ref.shape[1:]))
         for s in streams:
             if s.idx is None:
                 out += s.val
             elif s.idx.numel():
-                out.index_add_(0, s.idx, s.val)
+                out.index_add_(0, s.idx - lo if lo else s.idx, s.val)
         return _Stream(None, out)
+    total = sum(int(s.idx.numel()) for s in streams)
+    if total * 16 >= numel:  # a dense scratch buffer: O(numel + total), no sort
+        acc = ref.new_zeros((numel, *ref.shape[1:]))
+        seen = torch.zeros(numel, dtype=torch.bool, device=ref.device)
+        for s in streams:  # one index_add per stream: no index repeats within a call
+            if s.idx.numel():
+                local = s.idx - lo if lo else s.idx
+                acc.index_add_(0, local, s.val)
+                seen[local] = True
+        where = seen.nonzero().squeeze(1)
+        return _Stream(where + lo if lo else where, acc[where])
     union = torch.unique(torch.cat([s.idx for s in streams]), sorted=True)
-    ref = streams[0].val
     out = ref.new_zeros((union.numel(), *ref.shape[1:]))
-    for s in streams:  # one index_add per stream: no index repeats within a call
+    for s in streams:
         if s.idx.numel():
             out.index_add_(0, torch.searchsorted(union, s.idx), s.val)
     return _Stream(union, out)
@@ -385,7 +399,7 @@ def _check(indices: Tensor, values: Tensor, numel: int) -> None:
             )
 
 
-def _allgather(comm: _Comm, s: _Stream, counts: list[int], numel: int, shape, acc, idt):
+def _allgather(comm: _Comm, s: _Stream, counts: list[int], numel: int, shape, acc, idt, dense):
     row = math.prod(shape) * acc.itemsize
     longest = max(_packed_bytes(c, numel, row, idt.itemsize) for c in counts)
     buf = _pack(s, idt)
@@ -393,7 +407,7 @@ def _allgather(comm: _Comm, s: _Stream, counts: list[int], numel: int, shape, ac
     padded[: buf.numel()] = buf
     gathered = comm.all_gather(padded)
     streams = [_unpack(g, c, shape, acc, idt, numel) for g, c in zip(gathered, counts, strict=True)]
-    return _sum_in_order(streams, numel)
+    return _sum_in_order(streams, numel, dense=dense)
 
 
 def _swap_stream(comm: _Comm, peer: int, s: _Stream, numel: int, shape, acc, idt) -> _Stream:
@@ -448,7 +462,7 @@ def _recursive_doubling(comm: _Comm, s: _Stream, numel: int, shape, acc, idt, th
 
 
 def _split_allgather(comm: _Comm, s: _Stream, numel: int, shape, acc, idt,
-                     dest_counts: list[list[int]] | None):  # fmt: skip
+                     dest_counts: list[list[int]] | None, dense_out: bool):  # fmt: skip
     n, r = comm.size, comm.rank
     bounds = range_bounds(numel, n)
     device = s.val.device
@@ -468,8 +482,8 @@ def _split_allgather(comm: _Comm, s: _Stream, numel: int, shape, acc, idt,
     lo, hi = bounds[r], bounds[r + 1]
     streams = [parts[r] if j == r else _unpack(recvs[j], dest_counts[j][r], shape, acc, idt, numel)
                for j in range(n)]  # fmt: skip
-    owned = _sum_in_order(streams, numel)  # rank order
     width = hi - lo
+    owned = _sum_in_order(streams, width, lo)  # rank order
     if owned.idx is not None and owned.idx.numel() >= dense_threshold(width, row, idt.itemsize):
         dense = owned.val.new_zeros((width, *shape))
         dense[owned.idx - lo] = owned.val
@@ -489,7 +503,7 @@ def _split_allgather(comm: _Comm, s: _Stream, numel: int, shape, acc, idt,
         width_j = bounds[j + 1] - bounds[j]
         got = owned if j == r else _unpack(recvs[j], heads[j], shape, acc, idt, width_j)
         ranges.append((j, got))  # sparse ranges carry global indices
-    if all(g.idx is not None for _, g in ranges):
+    if not dense_out and all(g.idx is not None for _, g in ranges):
         return _Stream(torch.cat([g.idx for _, g in ranges]), torch.cat([g.val for _, g in ranges]))
     out = s.val.new_zeros((numel, *shape)).to(acc)
     for j, g in ranges:
@@ -509,6 +523,7 @@ def sparse_allreduce(
     group: object | None = None,
     cost: CostModel | None = None,
     union: int | None = None,
+    dense_output: bool = False,
 ) -> SparseResult:
     """Sum a sparse vector (or row-sparse matrix) over the workers of ``group``.
 
@@ -522,6 +537,8 @@ def sparse_allreduce(
         cost: the cost model of ``auto`` (default :class:`CostModel`).
         union: ``auto``'s estimate of the sum's non-zeros, the same on every worker (e.g.
             the previous call's ``result.nnz``); default: the disjoint-supports bound.
+        dense_output: return the sum as a dense buffer (``indices`` None) and skip finding
+            its support -- for callers that densify it anyway (``topk``).
 
     Returns:
         A :class:`SparseResult`, the same on every worker.
@@ -564,9 +581,11 @@ def sparse_allreduce(
         out = _Stream(None, buf)
     elif algorithm == "allgather":
         assert counts is not None
-        out = _allgather(comm, s, counts, numel, shape, acc, idt)
+        out = _allgather(comm, s, counts, numel, shape, acc, idt, dense_output)
     elif algorithm == "recursive_doubling":
         out = _recursive_doubling(comm, s, numel, shape, acc, idt, threshold)
     else:
-        out = _split_allgather(comm, s, numel, shape, acc, idt, dest_counts)
+        out = _split_allgather(comm, s, numel, shape, acc, idt, dest_counts, dense_output)
+    if dense_output:
+        out = out.densify(numel)
     return SparseResult(numel, out.idx, out.val, algorithm, comm.bytes, comm.messages)
