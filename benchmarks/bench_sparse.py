@@ -1,7 +1,8 @@
 """Sparse allreduce vs the all-gather of pairs vs the dense all-reduce: gloo processes, time and bytes.
 
 Ours: :func:`trainers.comm.sparse.sparse_allreduce` with each algorithm (``recursive_doubling``,
-``split_allgather``, ``dense``, ``allgather``) and ``auto`` (its cost model's choice).
+``split_allgather``, ``dense``, ``allgather``) and ``auto`` (its cost model's choice), with
+``dense_output=True``: the dense sum, as ``topk`` uses it and as the peers produce it.
 Peers: what a framework without a sparse allreduce does --
 
 * ``peer_allgather``: ``dist.all_gather`` of every worker's k fp32 values and int32 indices,
@@ -32,7 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainers.comm.sparse import ALGORITHMS, CostModel, estimate_costs, sparse_allreduce
+from trainers.comm.sparse import (
+    ALGORITHMS,
+    CostModel,
+    estimate_costs,
+    estimate_features,
+    sparse_allreduce,
+)
 
 OURS = ("auto", "recursive_doubling", "split_allgather", "allgather", "dense")
 PEERS = ("peer_allgather", "peer_dense")
@@ -90,7 +97,11 @@ def run_world(rank: int, world: int, port: int, args: argparse.Namespace, queue)
         val = torch.randn(k, generator=torch.Generator().manual_seed(rank))
         union = None
         methods = {
-            name: (lambda a=name, i=idx, v=val: sparse_allreduce(i, v, args.numel, algorithm=a))
+            name: (
+                lambda a=name, i=idx, v=val: sparse_allreduce(
+                    i, v, args.numel, algorithm=a, dense_output=True
+                )
+            )
             for name in OURS
         }
         i32 = idx.to(torch.int32)
@@ -110,7 +121,7 @@ def run_world(rank: int, world: int, port: int, args: argparse.Namespace, queue)
             }
             if name == names[0]:
                 reference = dense
-                union = out.nnz
+                union = int(torch.count_nonzero(dense))
             else:
                 info[name]["max_abs_diff"] = float((dense - reference).abs().max())
         for r in range(args.rounds):
@@ -164,32 +175,46 @@ def main() -> None:
 
 
 def calibrate(rows: list[dict]) -> None:
-    """Fit ``time = messages * latency + bytes / bandwidth`` to the algorithms' medians, then
-    compare the winner the cost formulas predict (with the fitted constants, on the true
-    stream lengths and the measured sum size) with the measured winner, per setting."""
-    a, b = [], []
+    """Fit :class:`CostModel`'s four constants to the algorithms' medians (least squares on
+    relative error, constants kept >= 0) over :func:`estimate_features` of each setting (true
+    stream lengths, the measured sum size), then compare, per setting, the winner the
+    formulas predict -- with the fitted constants and with the defaults -- with the measured
+    one."""
+    feats, times = [], []
     for row in rows:
+        f = estimate_features([row["k"]] * row["world"], row["numel"], 4, union=row["union"])
         for name in ALGORITHMS:
-            i = row["info"][name]
-            a.append([i["messages"], i["bytes"]])
-            b.append([statistics.median(row["times"][name])])
-    sol = torch.linalg.lstsq(torch.tensor(a, dtype=torch.float64),
-                             torch.tensor(b, dtype=torch.float64)).solution[:, 0]  # fmt: skip
-    latency, per_byte = max(float(sol[0]), 1e-7), max(float(sol[1]), 1e-13)
-    cost = CostModel(latency=latency, bandwidth=1 / per_byte)
-    print(f"\nfitted cost model: latency {latency * 1e6:.0f} us per message, "
-          f"bandwidth {1 / per_byte / 1e9:.2f} GB/s")  # fmt: skip
-    agree = 0
-    for row in rows:
-        counts = [row["k"]] * row["world"]
-        est = estimate_costs(counts, row["numel"], 4, cost=cost, union=row["union"])
-        predicted = min(ALGORITHMS, key=lambda n: est[n])
-        measured = min(ALGORITHMS, key=lambda n: statistics.median(row["times"][n]))
-        agree += predicted == measured
-        print(f"  {row['world']} procs, density {row['density']:.3%}: formula -> {predicted}, "
-              f"measured fastest {measured}, auto ran {row['info']['auto']['algorithm']}")  # fmt: skip
-    print(f"formula_agrees={agree}/{len(rows)}")
-
-
-if __name__ == "__main__":
-    main()
+            feats.append(f[name])
+            times.append(statistics.median(row["times"][name]))
+    a = torch.tensor(feats, dtype=torch.float64)
+    b = torch.tensor(times, dtype=torch.float64)
+    w = 1 / b
+    active = list(range(4))
+    while True:  # non-negative least squares by dropping negative terms
+        sol = torch.linalg.lstsq((a[:, active] * w[:, None]), (b * w)[:, None]).solution[:, 0]
+        if (sol >= 0).all() or len(active) == 1:
+            break
+        active.pop(int(torch.argmin(sol)))
+    full = [0.0] * 4
+    for j, v in zip(active, sol.tolist(), strict=True):
+        full[j] = max(v, 0.0)
+    fitted = CostModel(latency=full[0], bandwidth=1 / max(full[1], 1e-15), merge=full[2],
+                       scan=full[3])  # fmt: skip
+    print(f"\nfitted: CostModel(latency={fitted.latency:.3g}, bandwidth={fitted.bandwidth:.3g}, "
+          f"merge={fitted.merge:.3g}, scan={fitted.scan:.3g})")  # fmt: skip
+    for label, cost in (("fitted", fitted), ("default", CostModel())):
+        agree, regret = 0, []
+        for row in rows:
+            counts = [row["k"]] * row["world"]
+            est = estimate_costs(counts, row["numel"], 4, cost=cost, union=row["union"])
+            med = {n: statistics.median(row["times"][n]) for n in ALGORITHMS}
+            predicted = min(ALGORITHMS, key=lambda n: est[n])
+            measured = min(ALGORITHMS, key=lambda n: med[n])
+            agree += predicted == measured
+            regret.append(med[predicted] / med[measured])
+            if label == "default":
+                print(f"  {row['world']} procs, density {row['density']:.3%}: formula -> "
+                      f"{predicted} ({med[predicted] * 1e3:.1f} ms), measured fastest {measured} "
+                      f"({med[measured] * 1e3:.1f} ms), auto ran {row['info']['auto']['algorithm']}")  # fmt: skip
+        print(f"{label}: formula_agrees={agree}/{len(rows)}, time of the formula's pick over the "
+              f"fastest: median {statistics.median(regret):.2f}, max {max(regret):.2f}")  # fmt: skip

@@ -18,6 +18,7 @@ from trainers.comm.sparse import (
     choose_algorithm,
     dense_threshold,
     estimate_costs,
+    estimate_features,
     sparse_allreduce,
 )
 
@@ -120,18 +121,29 @@ def test_unknown_algorithm_names_the_choices():
 
 
 def test_the_choice_follows_the_cost_formulas():
-    """Few pairs: latency decides (recursive doubling's 2 log2 N messages); many pairs whose
-    supports overlap (a sum of 1.2 M non-zeros from 8 x 1 M): split-allgather's
-    2 (N - 1) / N K volume beats recursive doubling's log2 N partial sums; past half the
-    buffer per worker the dense all-reduce wins; a bandwidth-free network picks the fewest
-    messages."""
+    """On a latency-bound network recursive doubling's 2 log2 N messages win; on a
+    bandwidth-bound one, overlapping supports (a sum of 1.2 M non-zeros from 8 x 1 M) favour
+    split-allgather's 2 (N - 1) / N K volume over recursive doubling's partial sums and the
+    all-gather's (N - 1) k; fully dense streams favour the dense all-reduce; a worker's sorted
+    merges cost time (the default model's ``merge``)."""
     d = 10_000_000
-    assert choose_algorithm([10] * 8, d, 4) == "recursive_doubling"
-    assert choose_algorithm([1_000_000] * 8, d, 4, union=1_200_000) == "split_allgather"
-    assert choose_algorithm([200_000] * 8, d, 4) == "recursive_doubling"  # disjoint bound
-    assert choose_algorithm([d // 2] * 8, d, 4) == "dense"
-    costs = estimate_costs([1000] * 4, d, 4, cost=CostModel(latency=1.0, bandwidth=1e30))
+    latency = CostModel(latency=1e-3, bandwidth=1e15, merge=0, scan=0)
+    bandwidth = CostModel(latency=0, bandwidth=1e9, merge=0, scan=0)
+    assert choose_algorithm([10] * 8, d, 4, cost=latency) == "recursive_doubling"
+    assert choose_algorithm([1_000_000] * 8, d, 4, cost=bandwidth, union=1_200_000) == (
+        "split_allgather"
+    )
+    assert choose_algorithm([d] * 8, d, 4, cost=bandwidth) == "dense"
+    costs = estimate_costs(
+        [1000] * 4, d, 4, cost=CostModel(latency=1.0, bandwidth=1e30, merge=0, scan=0)
+    )
     assert min(costs, key=costs.get) == "recursive_doubling"  # 4 messages vs 6 (allgather)
     assert costs["allgather"] == pytest.approx(6.0)
-    with pytest.raises(ValueError, match="bandwidth > 0"):
-        CostModel(bandwidth=0)
+    # recursive doubling merges 2 x 200 k and 2 x 400 k pairs by sorting, then 2 x 800 k
+    # (past an eighth of the vector) in a dense scratch buffer
+    f = estimate_features([200_000] * 8, d, 4)
+    assert f["recursive_doubling"][2:] == (2 * (200_000 + 400_000), d)
+    assert CostModel().time(*f["recursive_doubling"]) > CostModel().time(*f["allgather"])
+    for bad in ({"bandwidth": 0}, {"latency": -1}, {"merge": -1e-9}):
+        with pytest.raises(ValueError, match="bandwidth > 0"):
+            CostModel(**bad)

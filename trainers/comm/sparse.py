@@ -79,6 +79,7 @@ __all__ = [
     "choose_algorithm",
     "dense_threshold",
     "estimate_costs",
+    "estimate_features",
     "sparse_allreduce",
 ]
 
@@ -89,24 +90,31 @@ _HEADER_BYTES = 8  # one int64: a stream's length, or -1 for a dense buffer
 
 @dataclass(frozen=True)
 class CostModel:
-    """``time = messages * latency + bytes / bandwidth`` for one worker.
+    """One worker's time: ``messages * latency + bytes / bandwidth`` on the network, plus
+    ``merged * merge`` (elements summed through a sort: sparse partial sums) and
+    ``scanned * scan`` (elements of dense buffers zeroed, scattered or scanned).
 
-    The defaults are of the order measured for gloo between processes on one machine
-    (``benchmarks/bench_sparse.py`` prints the per-algorithm times to calibrate them).
+    The defaults are fitted by ``benchmarks/bench_sparse.py`` (its ``--fit`` output) on
+    gloo between processes on one 2-core machine; pass your own for another network.
     """
 
-    latency: float = 60e-6  # seconds per message
-    bandwidth: float = 2e9  # bytes per second
+    latency: float = 1.5e-3  # seconds per message
+    bandwidth: float = 1e9  # bytes per second
+    merge: float = 40e-9  # seconds per element merged by sorting
+    scan: float = 3e-9  # seconds per element of a dense buffer
 
     def __post_init__(self) -> None:
-        if not (self.latency >= 0 and self.bandwidth > 0):
+        if not (self.latency >= 0 and self.bandwidth > 0 and self.merge >= 0 and self.scan >= 0):
             raise ValueError(
-                f"CostModel: latency must be >= 0 and bandwidth > 0, got {self.latency}, "
-                f"{self.bandwidth}"
+                f"CostModel: latency, merge and scan must be >= 0 and bandwidth > 0, got "
+                f"{self.latency}, {self.merge}, {self.scan}, {self.bandwidth}"
             )
 
-    def time(self, messages: float, nbytes: float) -> float:
-        return messages * self.latency + nbytes / self.bandwidth
+    def time(self, messages: float, nbytes: float, merged: float = 0, scanned: float = 0) -> float:
+        return (
+            messages * self.latency + nbytes / self.bandwidth + merged * self.merge
+            + scanned * self.scan
+        )  # fmt: skip
 
 
 @dataclass
@@ -200,7 +208,7 @@ def _sum_in_order(
                 out.index_add_(0, s.idx - lo if lo else s.idx, s.val)
         return _Stream(None, out)
     total = sum(int(s.idx.numel()) for s in streams)
-    if total * 16 >= numel:  # a dense scratch buffer: O(numel + total), no sort
+    if total * 8 >= numel:  # a dense scratch buffer: O(numel + total), no sort
         acc = ref.new_zeros((numel, *ref.shape[1:]))
         seen = torch.zeros(numel, dtype=torch.bool, device=ref.device)
         for s in streams:  # one index_add per stream: no index repeats within a call
@@ -210,11 +218,24 @@ def _sum_in_order(
                 seen[local] = True
         where = seen.nonzero().squeeze(1)
         return _Stream(where + lo if lo else where, acc[where])
-    union = torch.unique(torch.cat([s.idx for s in streams]), sorted=True)
+    # the union by one stable sort of the concatenated indices; each stream is then added at
+    # its positions in the union, stream by stream (rank order, deterministic on any device)
+    cat = torch.cat([s.idx for s in streams])
+    if cat.numel() == 0:
+        return _Stream(cat, ref.new_zeros((0, *ref.shape[1:])))
+    ordered, perm = torch.sort(cat, stable=True)
+    new = torch.ones_like(ordered, dtype=torch.bool)
+    new[1:] = ordered[1:] != ordered[:-1]
+    union = ordered[new]
+    position = torch.empty_like(cat)
+    position[perm] = torch.cumsum(new, 0) - 1
     out = ref.new_zeros((union.numel(), *ref.shape[1:]))
+    start = 0
     for s in streams:
-        if s.idx.numel():
-            out.index_add_(0, torch.searchsorted(union, s.idx), s.val)
+        n = int(s.idx.numel())
+        if n:
+            out.index_add_(0, position[start : start + n], s.val)
+        start += n
     return _Stream(union, out)
 
 
@@ -315,50 +336,71 @@ def range_bounds(numel: int, parts: int) -> list[int]:
     return bounds
 
 
-def estimate_costs(
+def estimate_features(
     counts: Sequence[int], numel: int, row_bytes: int, index_bytes: int | None = None,
-    cost: CostModel | None = None, union: int | None = None,
-) -> dict[str, float]:  # fmt: skip
-    """Each algorithm's estimated time (seconds) for streams of ``counts`` pairs, one per
-    worker. ``union``: the expected number of non-zeros of the sum (e.g. the last call's);
-    without it, the bound ``min(numel, sum(counts))`` (disjoint supports)."""
-    cost = cost or CostModel()
+    union: int | None = None,
+) -> dict[str, tuple[float, float, float, float]]:  # fmt: skip
+    """Per algorithm, one worker's ``(messages, bytes, merged, scanned)`` (see
+    :class:`CostModel`) for streams of ``counts`` pairs, one per worker. ``union``: the
+    expected non-zeros of the sum (e.g. the last call's); without it, the bound
+    ``min(numel, sum(counts))`` (disjoint supports)."""
     n = len(counts)
-    total = min(numel, sum(counts)) if union is None else min(numel, max(union, max(counts)))
     i = index_bytes if index_bytes is not None else _index_dtype(numel).itemsize
     pair = i + row_bytes
-    dense_bytes = numel * row_bytes
+    total = min(numel, sum(counts)) if union is None else min(numel, max(union, max(counts)))
 
     def stream(nnz: float, length: float = numel) -> float:  # bytes of a stream, dense-capped
         return min(nnz * pair, length * row_bytes)
 
+    def summed(elements: float, length: float = numel) -> tuple[float, float]:
+        """(merged, scanned) of one rank-order sum (the dense scratch past 1/8 of length)."""
+        return (0.0, float(length)) if elements * 8 >= length else (float(elements), 0.0)
+
     out = {
-        "dense": cost.time(2 * (n - 1), 2 * (n - 1) / n * dense_bytes),
-        "allgather": cost.time(2 * (n - 1), (n - 1) * (8 + max(counts) * pair)),
-    }
+        "dense": (2 * (n - 1), 2 * (n - 1) / n * numel * row_bytes, 0.0, 2.0 * numel),
+        "allgather": (2 * (n - 1), (n - 1) * (8 + max(counts) * pair),
+                      *summed(sum(counts))),
+    }  # fmt: skip
     # recursive doubling: fold, then log2(p) swaps of header + stream (the largest partial sum)
     p = 1 << (n.bit_length() - 1)
     folded = [counts[r] + (counts[r + p] if r + p < n else 0) for r in range(p)]
-    t = 0.0
+    msgs = nbytes = merged = scanned = 0.0
     if p < n:
-        extra = max(counts[p:])
-        t += 2 * cost.time(2, 8 + stream(extra)) + cost.time(0, stream(total))
+        msgs += 4
+        nbytes += 2 * (8 + stream(max(counts[p:]))) + stream(total)
+        m, sc = summed(2 * max(counts))
+        merged, scanned = merged + m, scanned + sc
     group = 1
     while group < p:
-        partial = max(sum(folded[g : g + group]) for g in range(0, p, group))
-        t += cost.time(2, 8 + stream(min(total, partial)))
+        partial = min(total, max(sum(folded[g : g + group]) for g in range(0, p, group)))
+        msgs += 2
+        nbytes += 8 + stream(partial)
+        dense_from_here = partial * pair >= numel * row_bytes
+        m, sc = (0.0, float(numel)) if dense_from_here else summed(2 * partial)
+        merged, scanned = merged + m, scanned + sc
         group *= 2
-    out["recursive_doubling"] = t
+    out["recursive_doubling"] = (msgs, nbytes, merged, scanned)
     # split-allgather: counts, the reduce-scatter, headers, the all-gather of owned ranges
     share = numel / n
-    union_share = total / n
+    m, sc = summed(sum(counts) / n, share)
     out["split_allgather"] = (
-        cost.time(n - 1, (n - 1) * 8 * n)
-        + cost.time(n - 1, max(counts) * pair * (n - 1) / n)
-        + cost.time(n - 1, (n - 1) * 8)
-        + cost.time(n - 1, (n - 1) * stream(union_share, share))
-    )
+        4 * (n - 1),
+        (n - 1) * 8 * n + max(counts) * pair * (n - 1) / n + (n - 1) * 8
+        + (n - 1) * stream(total / n, share),
+        m, sc + numel,  # the owner's sum, then the assembled result
+    )  # fmt: skip
     return out
+
+
+def estimate_costs(
+    counts: Sequence[int], numel: int, row_bytes: int, index_bytes: int | None = None,
+    cost: CostModel | None = None, union: int | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """Each algorithm's estimated time (seconds): :func:`estimate_features` priced by
+    ``cost`` (default :class:`CostModel`)."""
+    cost = cost or CostModel()
+    features = estimate_features(counts, numel, row_bytes, index_bytes, union)
+    return {name: cost.time(*f) for name, f in features.items()}
 
 
 def choose_algorithm(
