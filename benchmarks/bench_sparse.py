@@ -218,3 +218,7 @@ def calibrate(rows: list[dict]) -> None:
                       f"({med[measured] * 1e3:.1f} ms), auto ran {row['info']['auto']['algorithm']}")  # fmt: skip
         print(f"{label}: formula_agrees={agree}/{len(rows)}, time of the formula's pick over the "
               f"fastest: median {statistics.median(regret):.2f}, max {max(regret):.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
