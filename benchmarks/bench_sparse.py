@@ -2,7 +2,8 @@
 
 Ours: :func:`trainers.comm.sparse.sparse_allreduce` with each algorithm (``recursive_doubling``,
 ``split_allgather``, ``dense``, ``allgather``) and ``auto`` (its cost model's choice), with
-``dense_output=True``: the dense sum, as ``topk`` uses it and as the peers produce it.
+``dense_output=True`` and ``counts`` (every worker holds k pairs, which the peers assume too):
+the dense sum, as ``topk`` uses it and as the peers produce it.
 Peers: what a framework without a sparse allreduce does --
 
 * ``peer_allgather``: ``dist.all_gather`` of every worker's k fp32 values and int32 indices,
@@ -98,8 +99,8 @@ def run_world(rank: int, world: int, port: int, args: argparse.Namespace, queue)
         union = None
         methods = {
             name: (
-                lambda a=name, i=idx, v=val: sparse_allreduce(
-                    i, v, args.numel, algorithm=a, dense_output=True
+                lambda a=name, i=idx, v=val, c=[k] * world: sparse_allreduce(
+                    i, v, args.numel, algorithm=a, dense_output=True, counts=c
                 )
             )
             for name in OURS

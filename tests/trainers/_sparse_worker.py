@@ -100,6 +100,16 @@ def main() -> None:
             results[case, kind, "ordered"] = ordered
             results[case, kind, "exact"] = exact
             results[case, kind, "abs"] = torch.stack([d.double().abs() for d in dense]).sum(0)
+    # known lengths (every rank holds 7 pairs): no exchange of lengths, the same sum
+    idx = supports("disjoint", world, rank)
+    val = values_for("disjoint", world, rank, idx, "random")
+    for algorithm in ("auto", "allgather"):
+        res = sparse_allreduce(idx, val, NUMEL, algorithm=algorithm, counts=[7] * world)
+        results["counts", algorithm] = {"sum": res.to_dense(), "bytes": res.bytes_sent}
+    try:
+        sparse_allreduce(idx, val, NUMEL, counts=[6] * world)
+    except ValueError as e:
+        results["counts", "error"] = str(e)
     # the dense switch of recursive doubling at the formula's count (numel 1000, fp32, int32
     # indices: 500); rank r holds a contiguous block, so the first merge has 2 * nnz entries
     for nnz in (249, 250, 499, 500):

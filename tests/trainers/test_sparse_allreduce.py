@@ -93,6 +93,19 @@ def test_allgather_bytes_grow_with_the_world_and_split_allgather_does_not(ranks)
     assert got == 8 * (world - 1) + (world - 1) * 8 * k  # counts, then the padded pairs
 
 
+def test_known_lengths_skip_their_exchange(ranks):
+    world, results = ranks
+    for algorithm in ("auto", "allgather"):
+        exchanged = results[0]["disjoint", "random", algorithm]
+        known = results[0]["counts", algorithm]
+        assert torch.equal(known["sum"], exchanged["sum"])
+    lengths = 8 * (world - 1)  # one int64 to each of N - 1 peers (ring all-gather)
+    assert results[0]["counts", "allgather"]["bytes"] == (
+        results[0]["disjoint", "random", "allgather"]["bytes"] - lengths
+    )
+    assert "this worker's = 7" in results[0]["counts", "error"]
+
+
 def test_one_process_returns_its_input():
     r = sparse_allreduce(torch.tensor([1, 3]), torch.tensor([2.0, -1.0]), 5, algorithm="dense")
     assert r.algorithm == "local" and r.bytes_sent == 0

@@ -559,7 +559,7 @@ def compressed_allreduce(
         indices, values = compressor.sparse_pairs(payload)
         result = sparse_allreduce(
             indices, values.to(acc), ctx.numel, algorithm=sparse_algorithm, union=union,
-            dense_output=True,
+            dense_output=True, counts=[indices.numel()] * n,  # k on every worker
         )  # fmt: skip
         total = result.to_dense()
         report.update(collective=result.algorithm, wire_bytes=result.bytes_sent,

@@ -566,6 +566,7 @@ def sparse_allreduce(
     cost: CostModel | None = None,
     union: int | None = None,
     dense_output: bool = False,
+    counts: Sequence[int] | None = None,
 ) -> SparseResult:
     """Sum a sparse vector (or row-sparse matrix) over the workers of ``group``.
 
@@ -581,6 +582,9 @@ def sparse_allreduce(
             the previous call's ``result.nnz``); default: the disjoint-supports bound.
         dense_output: return the sum as a dense buffer (``indices`` None) and skip finding
             its support -- for callers that densify it anyway (``topk``).
+        counts: every worker's stream length, the same list on every worker, when the caller
+            knows them (``topk``: ``k`` everywhere): ``auto`` and ``allgather`` then skip the
+            exchange of the lengths (one all-gather, ``N - 1`` messages).
 
     Returns:
         A :class:`SparseResult`, the same on every worker.
@@ -602,19 +606,25 @@ def sparse_allreduce(
     idt = _index_dtype(numel)
     row = _row_bytes(values, acc)
     threshold = dense_threshold(numel, row, idt.itemsize)
-    counts: list[int] | None = None
     dest_counts = None
-    if algorithm in ("auto", "allgather"):
-        if algorithm == "auto":  # per-range counts: split-allgather reuses them
+    if counts is not None:
+        counts = [int(c) for c in counts]
+        if len(counts) != comm.size or counts[comm.rank] != s.count:
+            raise ValueError(
+                f"sparse_allreduce: counts must list every worker's stream length ({comm.size} "
+                f"entries, this worker's = {s.count}), got {counts}"
+            )
+    if algorithm == "auto":
+        if counts is None:  # per-range counts: split-allgather reuses them
             bounds = torch.tensor(range_bounds(numel, comm.size), device=values.device)
             cuts = torch.searchsorted(s.idx, bounds).tolist()
             mine = torch.tensor([cuts[j + 1] - cuts[j] for j in range(comm.size)],
                                 device=values.device)  # fmt: skip
             dest_counts = [t.tolist() for t in comm.all_gather(mine)]
             counts = [sum(c) for c in dest_counts]
-            algorithm = choose_algorithm(counts, numel, row, idt.itemsize, cost, union)
-        else:
-            counts = [int(t.item()) for t in comm.all_gather(comm.header(s.count))]
+        algorithm = choose_algorithm(counts, numel, row, idt.itemsize, cost, union)
+    elif algorithm == "allgather" and counts is None:
+        counts = [int(t.item()) for t in comm.all_gather(comm.header(s.count))]
     if algorithm == "dense":
         buf = s.densify(numel).val
         if buf is s.val:
