@@ -65,6 +65,21 @@ def test_every_algorithm_is_the_dense_sum_on_every_rank(ranks, case):
                 assert dense_out["bytes"] == got[0]["bytes"]
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_framed_recursive_doubling_is_the_same_sum_in_half_the_swaps(ranks, case):
+    """With every worker's length known, each swap is one message padded to the bound on
+    the partner's partial sum: the same merges, so the same bits, and log2 p swaps."""
+    world, results = ranks
+    p = 1 << (world.bit_length() - 1)
+    for kind in ("dyadic", "random", "rows"):
+        framed = results[0][case, kind, "rd_framed"]
+        headed = results[0][case, kind, "recursive_doubling"]
+        assert torch.equal(framed["sum"], headed["sum"]), (case, kind)
+        swaps = p.bit_length() - 1
+        folded = 1 if world > p else 0  # rank 0 receives the folded stream, then sends back
+        assert framed["messages"] == swaps + folded
+
+
 def test_the_dense_switch_happens_at_the_formulas_count(ranks):
     world, results = ranks
     if world != 2:

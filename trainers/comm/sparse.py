@@ -11,7 +11,10 @@ supports overlap. The algorithms here reduce the streams instead of gathering th
     in rank order. One collective of ``(N - 1) max_r k_r`` pairs per worker: the baseline.
 ``recursive_doubling``
     ``log2 N`` rounds; in round ``s`` worker ``r`` swaps its current partial sum with worker
-    ``r xor 2^s`` and merges the two sorted streams (latency-optimal: ``2 log2 N`` messages).
+    ``r xor 2^s`` and merges the two sorted streams (latency-optimal: ``log2 N`` messages
+    when every worker's stream length is known -- always under ``auto`` -- as each swap is
+    then one message padded to the bound on the partner's partial sum; otherwise a length
+    message precedes each stream).
     A world size that is not a power of two is folded first: the ``N - p`` workers above the
     largest power of two ``p`` hand their stream to worker ``r - p`` and get the result back.
 ``split_allgather``
@@ -365,15 +368,15 @@ def estimate_features(
     p = 1 << (n.bit_length() - 1)
     folded = [counts[r] + (counts[r + p] if r + p < n else 0) for r in range(p)]
     msgs = nbytes = merged = scanned = 0.0
-    if p < n:
-        msgs += 4
-        nbytes += 2 * (8 + stream(max(counts[p:]))) + stream(total)
+    if p < n:  # framed messages (auto knows the lengths): to r - p and back
+        msgs += 2
+        nbytes += 8 + stream(max(counts[p:])) + 8 + stream(total)
         m, sc = summed(2 * max(counts))
         merged, scanned = merged + m, scanned + sc
     group = 1
     while group < p:
         partial = min(total, max(sum(folded[g : g + group]) for g in range(0, p, group)))
-        msgs += 2
+        msgs += 1
         nbytes += 8 + stream(partial)
         dense_from_here = partial * pair >= numel * row_bytes
         m, sc = (0.0, float(numel)) if dense_from_here else summed(2 * partial)
@@ -480,26 +483,81 @@ def _recv_stream(comm: _Comm, peer: int, numel: int, shape, acc, idt, device) ->
     return _unpack(buf, count, shape, acc, idt, numel)
 
 
-def _recursive_doubling(comm: _Comm, s: _Stream, numel: int, shape, acc, idt, threshold):
+class _Framed:
+    """Streams sent as one message: an int64 length (-1: dense) then the packed stream,
+    padded to a size both sides compute from the known lengths (no header message)."""
+
+    def __init__(self, comm: _Comm, numel: int, shape, acc, idt) -> None:
+        self.comm, self.numel, self.shape, self.acc, self.idt = comm, numel, shape, acc, idt
+        self.row = math.prod(shape) * acc.itemsize
+        self.pair = idt.itemsize + self.row
+
+    def size(self, bound: int) -> int:
+        """Frame bytes for a stream of at most ``bound`` pairs (sent dense past the switch)."""
+        return _HEADER_BYTES + min(bound * self.pair, self.numel * self.row)
+
+    def frame(self, s: _Stream, bound: int) -> Tensor:
+        packed = _pack(s, self.idt)
+        out = torch.zeros(self.size(bound), dtype=torch.uint8, device=s.val.device)
+        out[:_HEADER_BYTES] = (
+            torch.tensor([s.count], dtype=torch.int64).view(torch.uint8).to(out.device)
+        )
+        out[_HEADER_BYTES : _HEADER_BYTES + packed.numel()] = packed
+        return out
+
+    def unframe(self, buf: Tensor) -> _Stream:
+        count = int(buf[:_HEADER_BYTES].view(torch.int64).item())
+        return _unpack(buf[_HEADER_BYTES:], count, self.shape, self.acc, self.idt, self.numel)
+
+
+def _recursive_doubling(comm: _Comm, s: _Stream, numel: int, shape, acc, idt, threshold,
+                        counts: list[int] | None = None):  # fmt: skip
+    """``counts`` (every worker's length, known alike everywhere): each swap is one framed
+    message sized by the bound on the partner's partial sum, instead of a length message
+    and then the stream."""
     n, r = comm.size, comm.rank
     p = 1 << (n.bit_length() - 1)
     device = s.val.device
+    framed = _Framed(comm, numel, shape, acc, idt) if counts is not None else None
+    folded = None
+    if counts is not None:
+        folded = [counts[q] + (counts[q + p] if q + p < n else 0) for q in range(p)]
     s = _maybe_densify(s, numel, threshold)
     if r >= p:  # folded: hand the stream to r - p, get the sum back
-        _send_stream(comm, r - p, s, idt)
-        return _recv_stream(comm, r - p, numel, shape, acc, idt, device)
+        if framed is None:
+            _send_stream(comm, r - p, s, idt)
+            return _recv_stream(comm, r - p, numel, shape, acc, idt, device)
+        comm.send(r - p, framed.frame(s, counts[r]))
+        buf = torch.empty(framed.size(min(numel, sum(counts))), dtype=torch.uint8, device=device)
+        comm.recv(r - p, buf)
+        return framed.unframe(buf)
     if r + p < n:
-        extra = _recv_stream(comm, r + p, numel, shape, acc, idt, device)
+        if framed is None:
+            extra = _recv_stream(comm, r + p, numel, shape, acc, idt, device)
+        else:
+            buf = torch.empty(framed.size(counts[r + p]), dtype=torch.uint8, device=device)
+            comm.recv(r + p, buf)
+            extra = framed.unframe(buf)
         s = _maybe_densify(_sum_in_order([s, extra], numel), numel, threshold)
     step = 1
     while step < p:
         peer = r ^ step
-        other = _swap_stream(comm, peer, s, numel, shape, acc, idt)
+        if framed is None:
+            other = _swap_stream(comm, peer, s, numel, shape, acc, idt)
+        else:
+            mine = min(numel, sum(folded[(r // step) * step : (r // step + 1) * step]))
+            theirs = min(numel, sum(folded[(peer // step) * step : (peer // step + 1) * step]))
+            recv = torch.empty(framed.size(theirs), dtype=torch.uint8, device=device)
+            comm.swap(peer, framed.frame(s, mine), recv)
+            other = framed.unframe(recv)
         pair = [s, other] if r < peer else [other, s]  # the lower group first, on both sides
         s = _maybe_densify(_sum_in_order(pair, numel), numel, threshold)
         step *= 2
     if r + p < n:
-        _send_stream(comm, r + p, s, idt)
+        if framed is None:
+            _send_stream(comm, r + p, s, idt)
+        else:
+            comm.send(r + p, framed.frame(s, min(numel, sum(counts))))
     return s
 
 
@@ -635,7 +693,7 @@ def sparse_allreduce(
         assert counts is not None
         out = _allgather(comm, s, counts, numel, shape, acc, idt, dense_output)
     elif algorithm == "recursive_doubling":
-        out = _recursive_doubling(comm, s, numel, shape, acc, idt, threshold)
+        out = _recursive_doubling(comm, s, numel, shape, acc, idt, threshold, counts)
     else:
         out = _split_allgather(comm, s, numel, shape, acc, idt, dest_counts, dense_output)
     if dense_output:
