@@ -17,8 +17,12 @@ rotates with the round, on the same inputs; a method's time is the slowest rank'
 setting the script prints min/median/max per method, the bytes one worker sent, the sum's
 non-zeros, ``auto``'s choice, and ``ratio=<peer_allgather median / auto median>``.
 
+``--link-gbps G`` injects a link: every message of ours (counted where it is sent) and of the
+peers then also waits ``bytes / (G / 8)`` seconds, and ``auto`` gets a :class:`CostModel` with
+that bandwidth -- the regime SparCML is for, which loopback on one machine is not.
+
 Usage: python benchmarks/bench_sparse.py [--worlds 2,4,8] [--densities 0.001,0.01,0.1]
-           [--numel 4194304] [--overlap 0.5] [--rounds 5] [--json out.json]
+           [--numel 4194304] [--overlap 0.5] [--rounds 5] [--json out.json] [--link-gbps G]
 """
 
 from __future__ import annotations
@@ -46,16 +50,42 @@ OURS = ("auto", "recursive_doubling", "split_allgather", "allgather", "dense")
 PEERS = ("peer_allgather", "peer_dense")
 
 
+LINK = {"bytes_per_sec": None}  # --link-gbps: the injected link, for ours and the peers alike
+
+
+def link_delay(nbytes: float) -> None:
+    """Sleep as long as ``nbytes`` take on the injected link (nothing without one)."""
+    if LINK["bytes_per_sec"]:
+        time.sleep(nbytes / LINK["bytes_per_sec"])
+
+
+def inject_link(gbps: float) -> None:
+    """Every message ours sends (``trainers.comm.sparse._Comm._sent``, which counts them)
+    also waits for its bytes on a ``gbps`` link."""
+    import trainers.comm.sparse as sparse  # noqa: PLC0415
+
+    LINK["bytes_per_sec"] = gbps * 1e9 / 8
+    counted = sparse._Comm._sent
+
+    def sent(self, nbytes: int, messages: int) -> None:
+        counted(self, nbytes, messages)
+        link_delay(nbytes)
+
+    sparse._Comm._sent = sent
+
+
 def peer_allgather(idx: torch.Tensor, val: torch.Tensor, numel: int) -> tuple[torch.Tensor, int]:
     world = dist.get_world_size()
     vals = [torch.empty_like(val) for _ in range(world)]
     inds = [torch.empty_like(idx) for _ in range(world)]
     dist.all_gather(vals, val)
     dist.all_gather(inds, idx)
+    sent = (world - 1) * (val.numel() * 4 + idx.numel() * 4)
+    link_delay(sent)
     total = torch.zeros(numel)
     for v, i in zip(vals, inds, strict=True):
         total.index_add_(0, i.long(), v)
-    return total, (world - 1) * (val.numel() * 4 + idx.numel() * 4)
+    return total, sent
 
 
 def peer_dense(idx: torch.Tensor, val: torch.Tensor, numel: int) -> tuple[torch.Tensor, int]:
@@ -63,7 +93,9 @@ def peer_dense(idx: torch.Tensor, val: torch.Tensor, numel: int) -> tuple[torch.
     buf = torch.zeros(numel)
     buf[idx.long()] = val
     dist.all_reduce(buf)
-    return buf, round(2 * (world - 1) / world * numel * 4)
+    sent = round(2 * (world - 1) / world * numel * 4)
+    link_delay(sent)
+    return buf, sent
 
 
 def supports(numel: int, k: int, overlap: float, rank: int, setting: int) -> torch.Tensor:
@@ -91,6 +123,10 @@ def run_world(rank: int, world: int, port: int, args: argparse.Namespace, queue)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    cost = None
+    if args.link_gbps:
+        inject_link(args.link_gbps)
+        cost = CostModel(bandwidth=args.link_gbps * 1e9 / 8)  # auto is told the link
     rows = []
     for s, density in enumerate(args.densities):
         k = max(1, round(density * args.numel))
@@ -100,7 +136,7 @@ def run_world(rank: int, world: int, port: int, args: argparse.Namespace, queue)
         methods = {
             name: (
                 lambda a=name, i=idx, v=val, c=[k] * world: sparse_allreduce(
-                    i, v, args.numel, algorithm=a, dense_output=True, counts=c
+                    i, v, args.numel, algorithm=a, dense_output=True, counts=c, cost=cost
                 )
             )
             for name in OURS
@@ -132,7 +168,7 @@ def run_world(rank: int, world: int, port: int, args: argparse.Namespace, queue)
         if rank == 0:
             rows.append({"world": world, "numel": args.numel, "density": density, "k": k,
                          "overlap": args.overlap, "union": union, "info": info,
-                         "times": times})  # fmt: skip
+                         "times": times, "link_gbps": args.link_gbps})  # fmt: skip
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
@@ -146,6 +182,9 @@ def main() -> None:
     parser.add_argument("--overlap", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--link-gbps", type=float, default=None,
+                        help="inject a link: every message also waits bytes / (Gbps/8), for "
+                        "ours and the peers alike; auto is given a CostModel with it")  # fmt: skip
     args = parser.parse_args()
     args.densities = [float(x) for x in args.densities.split(",")]
     ctx = mp.get_context("spawn")
@@ -159,7 +198,8 @@ def main() -> None:
         rows = queue.get()
         all_rows += rows
         for row in rows:
-            print(f"\n{world} gloo processes, numel {row['numel']}, density {row['density']:.3%}"
+            link = f", injected link {args.link_gbps} Gbps" if args.link_gbps else ""
+            print(f"\n{world} gloo processes{link}, numel {row['numel']}, density {row['density']:.3%}"
                   f" (k={row['k']}, overlap {row['overlap']}), sum non-zeros {row['union']}")  # fmt: skip
             for name, ts in row["times"].items():
                 i = row["info"][name]
@@ -203,7 +243,9 @@ def calibrate(rows: list[dict]) -> None:
                        scan=full[3])  # fmt: skip
     print(f"\nfitted: CostModel(latency={fitted.latency:.3g}, bandwidth={fitted.bandwidth:.3g}, "
           f"merge={fitted.merge:.3g}, scan={fitted.scan:.3g})")  # fmt: skip
-    for label, cost in (("fitted", fitted), ("default", CostModel())):
+    link = rows[0].get("link_gbps") if rows else None
+    default = CostModel(bandwidth=link * 1e9 / 8) if link else CostModel()
+    for label, cost in (("fitted", fitted), ("default", default)):
         agree, regret = 0, []
         for row in rows:
             counts = [row["k"]] * row["world"]

@@ -283,6 +283,12 @@ class _Comm:
         self.bytes = 0
         self.messages = 0
 
+    def _sent(self, nbytes: int, messages: int) -> None:
+        """Count what a call handed to the network (benchmarks/bench_sparse.py wraps this to
+        inject a link's per-byte delay)."""
+        self.bytes += int(nbytes)
+        self.messages += int(messages)
+
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
@@ -292,8 +298,7 @@ class _Comm:
                dist.P2POp(dist.irecv, recv, self._global(peer), self.group)]  # fmt: skip
         for w in dist.batch_isend_irecv(ops):
             w.wait()
-        self.bytes += send.numel() * send.element_size()
-        self.messages += 1
+        self._sent(send.numel() * send.element_size(), 1)
 
     def exchange(self, sends: dict[int, Tensor], recvs: dict[int, Tensor]) -> None:
         """Send ``sends[peer]`` to each peer and receive ``recvs[peer]`` from each, at once."""
@@ -302,13 +307,11 @@ class _Comm:
         if ops:
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
-        self.bytes += sum(t.numel() * t.element_size() for t in sends.values())
-        self.messages += len(sends)
+        self._sent(sum(t.numel() * t.element_size() for t in sends.values()), len(sends))
 
     def send(self, peer: int, t: Tensor) -> None:
         dist.send(t, self._global(peer), self.group)
-        self.bytes += t.numel() * t.element_size()
-        self.messages += 1
+        self._sent(t.numel() * t.element_size(), 1)
 
     def recv(self, peer: int, t: Tensor) -> None:
         dist.recv(t, self._global(peer), self.group)
@@ -316,14 +319,13 @@ class _Comm:
     def all_gather(self, t: Tensor) -> list[Tensor]:
         out = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(out, t.contiguous(), group=self.group)
-        self.bytes += (self.size - 1) * t.numel() * t.element_size()
-        self.messages += self.size - 1
+        self._sent((self.size - 1) * t.numel() * t.element_size(), self.size - 1)
         return out
 
     def all_reduce(self, t: Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        self.bytes += round(2 * (self.size - 1) / self.size * t.numel() * t.element_size())
-        self.messages += 2 * (self.size - 1)
+        self._sent(round(2 * (self.size - 1) / self.size * t.numel() * t.element_size()),
+                   2 * (self.size - 1))  # fmt: skip
 
     def header(self, count: int) -> Tensor:
         return torch.tensor([count], dtype=torch.int64, device=self.device)
@@ -370,14 +372,15 @@ def estimate_features(
     msgs = nbytes = merged = scanned = 0.0
     # a framed swap is one message each way, but a point-to-point exchange driven from Python
     # costs about two of a collective's ring steps here (bench_sparse.py): priced as 2
-    if p < n:  # to r - p and back
+    if p < n:  # to r - p and back (the result's frame: padded to the sum of the lengths)
         msgs += 4
-        nbytes += 8 + stream(max(counts[p:])) + 8 + stream(total)
+        nbytes += 8 + stream(max(counts[p:])) + 8 + stream(min(numel, sum(counts)))
         m, sc = summed(2 * max(counts))
         merged, scanned = merged + m, scanned + sc
     group = 1
     while group < p:
-        partial = min(total, max(sum(folded[g : g + group]) for g in range(0, p, group)))
+        # the frame is padded to the bound on the partner's partial sum (not to ``total``)
+        partial = min(numel, max(sum(folded[g : g + group]) for g in range(0, p, group)))
         msgs += 2
         nbytes += 8 + stream(partial)
         dense_from_here = partial * pair >= numel * row_bytes
