@@ -155,7 +155,7 @@ def test_the_choice_follows_the_cost_formulas():
     all-gather's (N - 1) k; fully dense streams favour the dense all-reduce; a worker's sorted
     merges cost time (the default model's ``merge``)."""
     d = 10_000_000
-    latency = CostModel(latency=1e-3, bandwidth=1e15, merge=0, scan=0)
+    latency = CostModel(latency=1e-3, bandwidth=1e15, merge=0, scan=0, swap=1)
     bandwidth = CostModel(latency=0, bandwidth=1e9, merge=0, scan=0)
     assert choose_algorithm([10] * 8, d, 4, cost=latency) == "recursive_doubling"
     assert choose_algorithm([1_000_000] * 8, d, 4, cost=bandwidth, union=1_200_000) == (
@@ -163,15 +163,19 @@ def test_the_choice_follows_the_cost_formulas():
     )
     assert choose_algorithm([d] * 8, d, 4, cost=bandwidth) == "dense"
     costs = estimate_costs(
-        [1000] * 4, d, 4, cost=CostModel(latency=1.0, bandwidth=1e30, merge=0, scan=0)
+        [1000] * 4, d, 4, cost=CostModel(latency=1.0, bandwidth=1e30, merge=0, scan=0, swap=1)
     )
-    assert min(costs, key=costs.get) == "recursive_doubling"  # 4 messages vs 6 (allgather)
+    assert min(costs, key=costs.get) == "recursive_doubling"  # 2 swaps vs 6 ring steps
     assert costs["allgather"] == pytest.approx(6.0)
+    # a swap priced as 4 ring steps (the default, measured here): the all-gather wins
+    slow_swaps = CostModel(latency=1.0, bandwidth=1e30, merge=0, scan=0, swap=4)
+    costs = estimate_costs([1000] * 4, d, 4, cost=slow_swaps)
+    assert costs["recursive_doubling"] == pytest.approx(8.0)
     # recursive doubling merges 2 x 200 k and 2 x 400 k pairs by sorting, then 2 x 800 k
     # (past an eighth of the vector) in a dense scratch buffer
     f = estimate_features([200_000] * 8, d, 4)
     assert f["recursive_doubling"][2:] == (2 * (200_000 + 400_000), d)
     assert CostModel().time(*f["recursive_doubling"]) > CostModel().time(*f["allgather"])
-    for bad in ({"bandwidth": 0}, {"latency": -1}, {"merge": -1e-9}):
+    for bad in ({"bandwidth": 0}, {"latency": -1}, {"merge": -1e-9}, {"swap": 0}):
         with pytest.raises(ValueError, match="bandwidth > 0"):
             CostModel(**bad)

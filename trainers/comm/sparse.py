@@ -97,20 +97,26 @@ class CostModel:
     ``merged * merge`` (elements summed through a sort: sparse partial sums) and
     ``scanned * scan`` (elements of dense buffers zeroed, scattered or scanned).
 
-    The defaults are fitted by ``benchmarks/bench_sparse.py`` (its ``--fit`` output) on
-    gloo between processes on one 2-core machine; pass your own for another network.
+    The defaults are fitted to ``benchmarks/bench_sparse.py``'s measurements of gloo between
+    processes on one 2-core machine; pass your own for another network.
     """
 
     latency: float = 1.5e-3  # seconds per message
     bandwidth: float = 1e9  # bytes per second
     merge: float = 40e-9  # seconds per element merged by sorting
     scan: float = 3e-9  # seconds per element of a dense buffer
+    #: messages' latency one point-to-point swap (recursive doubling) costs: a swap driven
+    #: from Python waits on both directions, about 4 of a collective's ring steps here
+    swap: float = 4.0
 
     def __post_init__(self) -> None:
-        if not (self.latency >= 0 and self.bandwidth > 0 and self.merge >= 0 and self.scan >= 0):
+        if not (
+            self.latency >= 0 and self.bandwidth > 0 and self.merge >= 0 and self.scan >= 0
+            and self.swap > 0
+        ):  # fmt: skip
             raise ValueError(
-                f"CostModel: latency, merge and scan must be >= 0 and bandwidth > 0, got "
-                f"{self.latency}, {self.merge}, {self.scan}, {self.bandwidth}"
+                f"CostModel: latency, merge and scan must be >= 0, bandwidth > 0 and swap > 0, "
+                f"got {self.latency}, {self.merge}, {self.scan}, {self.bandwidth}, {self.swap}"
             )
 
     def time(self, messages: float, nbytes: float, merged: float = 0, scanned: float = 0) -> float:
@@ -343,7 +349,7 @@ def range_bounds(numel: int, parts: int) -> list[int]:
 
 def estimate_features(
     counts: Sequence[int], numel: int, row_bytes: int, index_bytes: int | None = None,
-    union: int | None = None,
+    union: int | None = None, swap: float = CostModel.swap,
 ) -> dict[str, tuple[float, float, float, float]]:  # fmt: skip
     """Per algorithm, one worker's ``(messages, bytes, merged, scanned)`` (see
     :class:`CostModel`) for streams of ``counts`` pairs, one per worker. ``union``: the
@@ -370,10 +376,9 @@ def estimate_features(
     p = 1 << (n.bit_length() - 1)
     folded = [counts[r] + (counts[r + p] if r + p < n else 0) for r in range(p)]
     msgs = nbytes = merged = scanned = 0.0
-    # a framed swap is one message each way, but a point-to-point exchange driven from Python
-    # costs about two of a collective's ring steps here (bench_sparse.py): priced as 2
+    # a framed swap is one message each way, priced as ``swap`` ring steps (CostModel)
     if p < n:  # to r - p and back (the result's frame: padded to the sum of the lengths)
-        msgs += 4
+        msgs += 2 * swap
         nbytes += 8 + stream(max(counts[p:])) + 8 + stream(min(numel, sum(counts)))
         m, sc = summed(2 * max(counts))
         merged, scanned = merged + m, scanned + sc
@@ -381,7 +386,7 @@ def estimate_features(
     while group < p:
         # the frame is padded to the bound on the partner's partial sum (not to ``total``)
         partial = min(numel, max(sum(folded[g : g + group]) for g in range(0, p, group)))
-        msgs += 2
+        msgs += swap
         nbytes += 8 + stream(partial)
         dense_from_here = partial * pair >= numel * row_bytes
         m, sc = (0.0, float(numel)) if dense_from_here else summed(2 * partial)
@@ -407,7 +412,7 @@ def estimate_costs(
     """Each algorithm's estimated time (seconds): :func:`estimate_features` priced by
     ``cost`` (default :class:`CostModel`)."""
     cost = cost or CostModel()
-    features = estimate_features(counts, numel, row_bytes, index_bytes, union)
+    features = estimate_features(counts, numel, row_bytes, index_bytes, union, cost.swap)
     return {name: cost.time(*f) for name, f in features.items()}
 
 

@@ -62,6 +62,17 @@ _DENSE_COLUMN = 32  # a sparse column with more entries in a round is multiplied
 Derivative = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def check_sgd_args(X: torch.Tensor, y: torch.Tensor, lr: float, l2: float, precision: str) -> None:
+    """The checks every SGD solver here makes of its data and step (ValueError naming the
+    argument)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: choose one of {sorted(PRECISIONS)}")
+    if X.shape[0] != y.shape[0]:
+        raise ValueError(f"X has {X.shape[0]} rows but y has {y.shape[0]} labels")
+    if lr <= 0 or l2 < 0:
+        raise ValueError(f"lr={lr} must be positive and l2={l2} non-negative")
+
+
 def column_blocks(n_features: int, world_size: int) -> list[tuple[int, int]]:
     """Contiguous ``[start, stop)`` column ranges, one per rank, sizes differing by at most 1."""
     if world_size < 1 or n_features < world_size:
@@ -211,12 +222,7 @@ class FeaturePartitionedSGD:
         precision: str = "fp32",
         messenger: Messenger | None = None,
     ) -> None:
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision={precision!r}: choose one of {sorted(PRECISIONS)}")
-        if X.shape[0] != y.shape[0]:
-            raise ValueError(f"X has {X.shape[0]} rows but y has {y.shape[0]} labels")
-        if lr <= 0 or l2 < 0:
-            raise ValueError(f"lr={lr} must be positive and l2={l2} non-negative")
+        check_sgd_args(X, y, lr, l2, precision)
         self.low, self.high = PRECISIONS[precision]
         self.precision = precision
         self.rows = _Rows(X, self.low)

@@ -65,7 +65,7 @@ import torch.distributed as dist
 from trainers.comm.sparse import ALGORITHMS as SPARSE_ALGORITHMS
 from trainers.comm.sparse import sparse_allreduce
 
-from .casgd import PRECISIONS, Derivative, _Block, _Rows
+from .casgd import PRECISIONS, Derivative, _Block, _Rows, check_sgd_args
 from .messages import Messenger
 
 __all__ = [
@@ -219,12 +219,7 @@ class RowParallelSGD:
     ) -> None:
         if combine not in COMBINERS:
             raise ValueError(f"combine={combine!r}: choose one of {', '.join(COMBINERS)}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision={precision!r}: choose one of {sorted(PRECISIONS)}")
-        if X.shape[0] != y.shape[0]:
-            raise ValueError(f"X has {X.shape[0]} rows but y has {y.shape[0]} labels")
-        if lr <= 0 or l2 < 0:
-            raise ValueError(f"lr={lr} must be positive and l2={l2} non-negative")
+        check_sgd_args(X, y, lr, l2, precision)
         R = DEFAULT_ROUND_BATCHES[combine] if round_batches is None else int(round_batches)
         if R < 1:
             raise ValueError(f"round_batches={R} must be at least 1")
