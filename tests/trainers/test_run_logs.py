@@ -192,8 +192,13 @@ def test_comparability_rules():
     unpinned = variant(isa_pins__ATEN_CPU_CAPABILITY=None)
     assert not_comparable_reason(unpinned, here) is None  # this machine, same capability
     assert "arm64" in not_comparable_reason(variant(cpu__arch="arm64"), here)
-    other = variant(cpu__vendor="AuthenticAMD", cpu__family=25, cpu__model=17)
-    assert "AuthenticAMD family 25 model 17" in not_comparable_reason(other, here)
+    # another processor than this one (on an AMD EPYC, an Intel Xeon; else an AMD EPYC)
+    if here["cpu"].get("vendor") == "AuthenticAMD":
+        vendor, family, model = "GenuineIntel", 6, 207
+    else:
+        vendor, family, model = "AuthenticAMD", 25, 17
+    other = variant(cpu__vendor=vendor, cpu__family=family, cpu__model=model)
+    assert f"{vendor} family {family} model {model}" in not_comparable_reason(other, here)
     other_isa = variant(isa_pins__ATEN_CPU_CAPABILITY=None, cpu_capability="ZVECTOR")
     assert "only logs made with the ISA pinned" in not_comparable_reason(other_isa, here)
     no_avx2 = {**here, "cpu": {**here["cpu"], "flags": ["avx"]}}
