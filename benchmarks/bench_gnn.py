@@ -1,27 +1,33 @@
-"""GraphSAGE mini-batch training: our pipeline vs PyG's own example loop, same graph.
+"""GraphSAGE mini-batch training: our pipeline vs PyG's two loops, same graph.
 
-Both train GraphSAGE-mean (2 layers, hidden 256, dropout 0.5, Adam lr 3e-3) with fan-outs
+All three train GraphSAGE-mean (2 layers, hidden 256, dropout 0.5, Adam lr 3e-3) with fan-outs
 25,10 and 1024 seeds a batch on the same synthetic SBM graph (100k nodes, 10k training
-nodes, about 1M edges), in one process, alternating epochs so that machine noise hits both
-alike.
+nodes, about 1M edges), in one process; each round runs one epoch of each, in an order that
+rotates with the round, so that machine noise hits all alike.
 
 * ours: ``scripts/train_gnn.py``'s pipeline — :class:`modelzoo.graph.GraphSAGE` on
   :class:`trainers.Trainer` (per-sample seeding, metric sums, step records), batches from
   :class:`modelzoo.graph.sampler.NeighborSampler`; each layer computes only the nodes the
   next one reads (``layer_sizes``, DGL's message-flow graphs).
-* PyG: the loop of PyG's ``examples/reddit.py`` / ``ogbn_products_sage.py``: its ``SAGE``
-  model of ``SAGEConv`` layers run on the whole sampled subgraph, ``NeighborLoader(num_neighbors=[25, 10], batch_size=1024,
-  shuffle=True)``, and the bare ``zero_grad/forward/backward/step`` loop.
+* PyG, trimmed (the fair peer): PyG's own hierarchical path
+  (``examples/hierarchical_sampling.py``): its ``GraphSAGE`` model (``BasicGNN``) given the
+  batch's ``num_sampled_nodes`` / ``num_sampled_edges``, so that ``trim_to_layer`` drops the
+  outer hops layer by layer; the bare ``zero_grad/forward/backward/step`` loop.
+* PyG, plain (``--plain``): the loop of PyG's ``examples/reddit.py``: its ``SAGE`` model of
+  ``SAGEConv`` layers run on the whole sampled subgraph.
 
-``NeighborLoader`` needs the compiled ``pyg-lib`` or ``torch-sparse``. Where neither is
-installed (no wheels for torch 2.13 on CPU), the PyG loop is fed by our sampler instead,
-and the line before the ratio says so: the ratio then measures the rest of the pipeline
-(model, trainer, loss, optimizer), not the samplers.
+Both PyG loops read ``NeighborLoader(num_neighbors=[25, 10], batch_size=1024, shuffle=True)``,
+which needs the compiled ``pyg-lib`` or ``torch-sparse``. Where neither is installed (no
+wheels for torch 2.13 on CPU), they are fed by our sampler instead (with the per-hop counts
+``NeighborLoader`` would attach: :meth:`SampledSubgraph.hop_counts`), and the output says so:
+the ratios then measure the rest of the pipeline (model, trainer, loss, optimizer), not the
+samplers.
 
-    python benchmarks/bench_gnn.py [--nodes 100000] [--epochs 2] [--rounds 2]
+    python benchmarks/bench_gnn.py [--nodes 100000] [--rounds 5] [--plain]
 
-Prints ``ratio=<pyg_epoch_time / our_epoch_time>`` last; target: ``ratio >= 1`` (at least as
-fast).
+Prints min/median/max seconds per epoch for each side, the CPU capability, and
+``ratio=<pyg_trimmed / ours>`` (medians) last, after ``ratio_plain=`` with ``--plain``;
+target: ``ratio >= 1`` against the trimmed PyG path.
 """
 
 from __future__ import annotations
@@ -64,8 +70,18 @@ class PyGSAGE(torch.nn.Module):
         return x
 
 
+def pyg_trimmed_model(in_channels: int, hidden_channels: int, out_channels: int) -> torch.nn.Module:
+    """PyG's ``GraphSAGE`` (BasicGNN: SAGEConv, ReLU, dropout 0.5 between the layers), which
+    trims the outer hops when given the per-hop counts (examples/hierarchical_sampling.py)."""
+    from torch_geometric.nn.models import GraphSAGE as PyGGraphSAGE
+
+    return PyGGraphSAGE(in_channels, hidden_channels, num_layers=2, out_channels=out_channels,
+                        dropout=0.5)  # fmt: skip
+
+
 class _OurSamplerBatches:
-    """Stands in for NeighborLoader where it cannot run: same batches, PyG ``Data`` items."""
+    """Stands in for NeighborLoader where it cannot run: same batches, PyG ``Data`` items
+    with the per-hop counts NeighborLoader attaches (``num_sampled_nodes/edges``)."""
 
     def __init__(self, data: Any, seeds: torch.Tensor) -> None:
         self.data, self.seeds = data, seeds
@@ -77,8 +93,10 @@ class _OurSamplerBatches:
         perm = self.seeds[torch.randperm(self.seeds.numel())]
         for start in range(0, perm.numel(), BATCH):
             sub = self.sampler.sample(perm[start : start + BATCH])
+            nodes, edges = sub.hop_counts()
             yield Data(x=self.data.x[sub.n_id], y=self.data.y[sub.n_id],
-                       edge_index=sub.edge_index, batch_size=sub.batch_size)  # fmt: skip
+                       edge_index=sub.edge_index, batch_size=sub.batch_size,
+                       num_sampled_nodes=nodes, num_sampled_edges=edges)  # fmt: skip
 
 
 def pyg_loader(data: Any, seeds: torch.Tensor) -> tuple[Any, str]:
@@ -95,12 +113,19 @@ def pyg_loader(data: Any, seeds: torch.Tensor) -> tuple[Any, str]:
         )
 
 
-def pyg_epoch(model: torch.nn.Module, opt: torch.optim.Optimizer, loader: Any) -> float:
+def pyg_epoch(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, loader: Any, trim: bool = False
+) -> float:
     model.train()
     start = time.perf_counter()
     for batch in loader:
         opt.zero_grad()
-        out = model(batch.x, batch.edge_index)[: batch.batch_size]
+        if trim:
+            out = model(batch.x, batch.edge_index,
+                        num_sampled_nodes_per_hop=batch.num_sampled_nodes,
+                        num_sampled_edges_per_hop=batch.num_sampled_edges)[: batch.batch_size]  # fmt: skip
+        else:
+            out = model(batch.x, batch.edge_index)[: batch.batch_size]
         loss = F.cross_entropy(out, batch.y[: batch.batch_size])
         loss.backward()
         opt.step()
@@ -143,34 +168,53 @@ class OurRun:
         return time.perf_counter() - start
 
 
+def spread(times: list[float]) -> str:
+    return (f"min {min(times):.3f}  median {statistics.median(times):.3f}  "
+            f"max {max(times):.3f} s/epoch")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, default=100_000)
-    p.add_argument("--epochs", type=int, default=2, help="epochs per round and side")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5, help="paired rounds (one epoch per side)")
+    p.add_argument("--plain", action="store_true", help="also PyG's untrimmed example loop")
     args = p.parse_args()
 
     data = sbm_graph(args.nodes, seed=0)
     seeds = data.train_mask.nonzero().view(-1)
     print(f"graph: {data.num_nodes} nodes, {data.edge_index.size(1)} edges, "
-          f"{seeds.numel()} training nodes, fan-outs {FANOUTS}, batch {BATCH}")  # fmt: skip
+          f"{seeds.numel()} training nodes, fan-outs {FANOUTS}, batch {BATCH}; "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"{torch.get_num_threads()} threads")  # fmt: skip
     loader, how = pyg_loader(data, seeds)
     torch.manual_seed(0)
-    pyg_model = PyGSAGE(data.num_node_features, HIDDEN, 8)
-    pyg_opt = torch.optim.Adam(pyg_model.parameters(), lr=3e-3)
+    sides: dict[str, Any] = {}
+    trimmed = pyg_trimmed_model(data.num_node_features, HIDDEN, 8)
+    trimmed_opt = torch.optim.Adam(trimmed.parameters(), lr=3e-3)
+    sides["pyg_trimmed"] = lambda: pyg_epoch(trimmed, trimmed_opt, loader, trim=True)
+    if args.plain:
+        torch.manual_seed(0)
+        plain = PyGSAGE(data.num_node_features, HIDDEN, 8)
+        plain_opt = torch.optim.Adam(plain.parameters(), lr=3e-3)
+        sides["pyg_plain"] = lambda: pyg_epoch(plain, plain_opt, loader)
     ours = OurRun(data, seeds)
-    pyg_epoch(pyg_model, pyg_opt, loader)  # warm-up both
-    ours.epoch()
-    pyg_times, our_times = [], []
+    sides["ours"] = ours.epoch
+    for run in sides.values():  # warm-up
+        run()
+    names = list(sides)
+    times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
-        for _ in range(args.epochs):
-            pyg_times.append(pyg_epoch(pyg_model, pyg_opt, loader))
-            our_times.append(ours.epoch())
-        print(f"round {r}: pyg {statistics.median(pyg_times):.3f} s/epoch, "
-              f"ours {statistics.median(our_times):.3f} s/epoch")  # fmt: skip
-    pyg, our = statistics.median(pyg_times), statistics.median(our_times)
-    print(f"peer: {how}")
-    print(f"ratio={pyg / our:.3f}")
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            times[name].append(sides[name]())
+        print(f"round {r}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in names))
+    for name in names:
+        print(f"{name:12s} {spread(times[name])}")
+    print(f"peer batches: {how}")
+    med = {n: statistics.median(t) for n, t in times.items()}
+    if args.plain:
+        print(f"ratio_plain={med['pyg_plain'] / med['ours']:.3f}")
+    print(f"ratio={med['pyg_trimmed'] / med['ours']:.3f}")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,19 @@ class SampledSubgraph:
     #: Nodes are numbered by hop and edges sorted by target, so both are prefixes.
     layer_sizes: list[tuple[int, int]]
 
+    def hop_counts(self) -> tuple[list[int], list[int]]:
+        """``(num_sampled_nodes_per_hop, num_sampled_edges_per_hop)`` as PyG's
+        ``NeighborLoader`` batches carry them, for ``torch_geometric.utils.trim_to_layer``
+        (and PyG's ``BasicGNN`` models): the seeds then each hop's new nodes; per hop, the
+        edges into that hop's nodes (the edges sampled at hop ``h + 1``)."""
+        layers = len(self.layer_sizes)
+        reached = [self.layer_sizes[layers - 1 - h][0] for h in range(layers)]
+        reached.append(int(self.n_id.numel()))
+        nodes = [reached[0]] + [reached[h] - reached[h - 1] for h in range(1, layers + 1)]
+        into = [self.layer_sizes[layers - 1 - h][1] for h in range(layers)]
+        edges = [into[0]] + [into[h] - into[h - 1] for h in range(1, layers)]
+        return nodes, edges
+
 
 class CSRGraph:
     """In-neighbour lists in CSR form: the sources of node ``v``'s edges are

@@ -103,3 +103,27 @@ def test_layer_sizes_give_the_seeds_the_same_output(graph, name):
         trimmed = model(x, sub.edge_index, sub.layer_sizes)
     assert trimmed.shape == full.shape
     torch.testing.assert_close(trimmed, full)
+
+
+@pytest.mark.parametrize("fanouts", [[6, 4], [5, 3, 2]])
+def test_hop_counts_drive_pygs_trim_to_layer(graph, fanouts):
+    """``hop_counts`` is what PyG's NeighborLoader batches carry: with it, PyG's own
+    GraphSAGE trimmed layer by layer (``trim_to_layer``) gives the seeds the outputs of the
+    same model on the whole subgraph (the oracle: PyG, untrimmed)."""
+    from torch_geometric.nn.models import GraphSAGE
+
+    sub = NeighborSampler(graph.edge_index, graph.num_nodes, fanouts).sample(
+        torch.arange(0, 600, 31)
+    )
+    nodes, edges = sub.hop_counts()
+    assert sum(nodes) == sub.n_id.numel() and sum(edges) == sub.edge_index.size(1)
+    assert nodes[0] == sub.batch_size and len(nodes) == len(fanouts) + 1
+    assert len(edges) == len(fanouts)
+    torch.manual_seed(0)
+    model = GraphSAGE(4, 16, num_layers=len(fanouts), out_channels=3).double().eval()
+    x = graph.x[sub.n_id].double()
+    with torch.no_grad():
+        full = model(x, sub.edge_index)[: sub.batch_size]
+        trimmed = model(x, sub.edge_index, num_sampled_nodes_per_hop=nodes,
+                        num_sampled_edges_per_hop=edges)[: sub.batch_size]  # fmt: skip
+    torch.testing.assert_close(trimmed, full)
