@@ -187,6 +187,8 @@ def main() -> None:
                         "ours and the peers alike; auto is given a CostModel with it")  # fmt: skip
     args = parser.parse_args()
     args.densities = [float(x) for x in args.densities.split(",")]
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, one thread per process, "
+          f"gloo on 127.0.0.1")  # fmt: skip
     ctx = mp.get_context("spawn")
     all_rows = []
     for world in [int(w) for w in args.worlds.split(",")]:
