@@ -98,10 +98,9 @@ def test_the_dense_switch_happens_at_the_formulas_count(ranks):
         assert torch.equal(got["sum"], expected)
 
 
-def test_allgather_bytes_grow_with_the_world_and_split_allgather_does_not(ranks):
-    """Disjoint supports of k pairs: the all-gather sends (N - 1) k pairs per worker, the
-    split-allgather's reduce-scatter about k (N - 1) / N and its all-gather the owned
-    range ((N - 1) k / N pairs of the N k in the sum) to N - 1 workers."""
+def test_allgather_sends_every_pair_to_every_other_worker(ranks):
+    """Disjoint supports of k pairs: the all-gather sends the lengths and then (N - 1) k
+    pairs per worker, growing with the world."""
     world, results = ranks
     got = results[0]["disjoint", "dyadic", "allgather"]["bytes"]
     k = 7

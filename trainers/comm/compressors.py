@@ -515,7 +515,8 @@ def compressed_allreduce(
     with ``sparse_algorithm`` (``auto``: its cost model, with ``union`` the expected
     non-zeros of the sum, e.g. the last step's). ``report``, when given, receives
     ``collective`` (the collective or sparse algorithm that ran), ``wire_bytes`` (what this
-    worker handed to the network) and, for sparse compressors, ``nnz`` (non-zeros of the sum).
+    worker handed to the network) and, for sparse compressors under ``auto``, ``nnz``
+    (non-zeros of the sum).
 
     Returns:
         ``(mean of the workers' decoded vectors, this worker's decoded vector, bytes sent)``.
@@ -562,8 +563,9 @@ def compressed_allreduce(
             dense_output=True, counts=[indices.numel()] * n,  # k on every worker
         )  # fmt: skip
         total = result.to_dense()
-        report.update(collective=result.algorithm, wire_bytes=result.bytes_sent,
-                      nnz=int(torch.count_nonzero(total)))  # fmt: skip
+        report.update(collective=result.algorithm, wire_bytes=result.bytes_sent)
+        if sparse_algorithm == "auto":  # the next step's union estimate: only auto reads it
+            report["nnz"] = int(torch.count_nonzero(total))
         return total.div_(n).to(own.dtype), own, sent
     # the sum in fp32 (fp64 for fp64 inputs, so that float64 runs keep their precision)
     total = torch.zeros_like(own, dtype=acc)

@@ -577,8 +577,6 @@ def _split_allgather(comm: _Comm, s: _Stream, numel: int, shape, acc, idt,
     bounds = range_bounds(numel, n)
     device = s.val.device
     row = math.prod(shape) * acc.itemsize
-    if s.idx is None:  # a dense input: split it by range as a full stream
-        s = _Stream(torch.arange(numel, device=device), s.val)
     cuts = torch.searchsorted(s.idx, torch.tensor(bounds, device=device)).tolist()
     mine = [cuts[j + 1] - cuts[j] for j in range(n)]
     if dest_counts is None:
