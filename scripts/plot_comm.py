@@ -31,7 +31,7 @@ from trainers.logs import RunLogError, read_run_log  # noqa: E402
 def label(path: Path, header: dict[str, Any]) -> str:
     config = header.get("config") or {}
     mode = str(config.get("grad_combine", "average"))
-    if mode in ("ef", "cser"):
+    if mode in ("ef", "cser-update"):
         mode += "-" + str(config.get("compressor") or "topk")
     return mode
 

@@ -386,7 +386,7 @@ def workload_from_log(path: str | Path) -> Workload:
         except LookupError as e:
             raise SystemExit(f"scaling_whatif.py: {path} {e.args[0]}") from None
     mode = str(config.get("grad_combine", "average"))
-    compressor = config.get("compressor") or ("topk" if mode in ("ef", "cser") else None)
+    compressor = config.get("compressor") or ("topk" if mode in ("ef", "cser-update") else None)
     allgather = mode == "ef" and compressor in ALLGATHER_COMPRESSORS
     return Workload(
         compute_time=compute,

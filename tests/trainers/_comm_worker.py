@@ -26,6 +26,8 @@ from trainers.comm import (
     QSGD,
     AverageCombiner,
     CSERCombiner,
+    CSERPLCombiner,
+    CSERUpdateCombiner,
     ErrorFeedbackCombiner,
     Identity,
     LocalAdaAlterCombiner,
@@ -141,7 +143,15 @@ def reference_adaalter(rank: int, period: int, eps: float):
 
 
 # -- the stages -----------------------------------------------------------------------------------
-RESUMABLE = ("cser", "localsgd", "slowmo", "local-adaalter", "adasum-delta")
+RESUMABLE = (
+    "cser",
+    "cser-pl",
+    "cser-update",
+    "localsgd",
+    "slowmo",
+    "local-adaalter",
+    "adasum-delta",
+)
 
 
 def resumed_vs_straight(env, mode: str, tmp: Path) -> tuple[list, list]:
@@ -211,7 +221,9 @@ def main(out: Path) -> None:
         rank = env.rank
         res: dict = {}
         # Identity compression / period 1: synchronous momentum SGD.
-        res["cser_identity_h1"] = fit(env, CSERCombiner(compressor=Identity(), period=1))[1]
+        res["cser_identity_h1"] = fit(env, CSERUpdateCombiner(compressor=Identity(), period=1))[1]
+        # The authors' CSER averaging whole tensors every step.
+        res["cser_whole_blocks"] = fit(env, CSERCombiner(rows=1.0, reset_rows=1.0))[1]
         res["ef_identity"] = fit(env, ErrorFeedbackCombiner(compressor=Identity()))[1]
         res["localsgd_h1"] = fit(env, LocalSGDCombiner(period=1))[1]
 
@@ -219,7 +231,7 @@ def main(out: Path) -> None:
         rec = Recorder()
         trainer, _ = fit(
             env,
-            CSERCombiner(compressor=TopK(ratio=0.2), period=3),
+            CSERUpdateCombiner(compressor=TopK(ratio=0.2), period=3),
             hooks=[rec],
             eval_data=ToyDataset(10),
         )
@@ -296,7 +308,14 @@ def main(out: Path) -> None:
             for name, combiner, momentum, lr in (
                 ("ef-topk", ErrorFeedbackCombiner(compressor=TopK(ratio=0.05)), 0.9, 0.05),
                 ("ef-qsgd", ErrorFeedbackCombiner(compressor=QSGD()), 0.9, 0.05),
-                ("cser", CSERCombiner(compressor=TopK(ratio=0.05), period=8), 0.9, 0.05),
+                ("cser", CSERCombiner(), 0.9, 0.05),
+                ("cser-pl", CSERPLCombiner(), 0.9, 0.05),
+                (
+                    "cser-update",
+                    CSERUpdateCombiner(compressor=TopK(ratio=0.05), period=8),
+                    0.9,
+                    0.05,
+                ),
                 ("powersgd", PowerSGDCombiner(rank=2, start_iter=2), 0.9, 0.05),
                 ("localsgd", LocalSGDCombiner(period=8), 0.9, 0.05),
                 ("slowmo", SlowMoCombiner(period=3, slow_period=12), 0.9, 0.05),

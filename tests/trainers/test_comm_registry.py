@@ -36,7 +36,7 @@ from trainers.config import CombinerConfig
 # The published modes; a new one is added by registering a class (the list here is the
 # reference the registry is checked against, so a mode cannot disappear unnoticed).
 MODES = {
-    "average", "adasum", "ef", "cser", "powersgd", "fp16", "bf16",
+    "average", "adasum", "ef", "cser", "cser-pl", "cser-update", "powersgd", "fp16", "bf16",
     "localsgd", "slowmo", "local-adaalter",
 }  # fmt: skip
 
@@ -214,12 +214,12 @@ def test_resume_on_one_rank_is_bit_exact_for_every_mode(mode, tmp_path):
 
 def test_headers_record_the_typed_configs():
     args = _parser().parse_args(
-        ["--grad-combine", "cser", "--cser-period", "4", "--lr", "0.1", "--optimizer", "lamb",
+        ["--grad-combine", "cser-update", "--cser-period", "4", "--lr", "0.1", "--optimizer", "lamb",
          "--max-grad-norm", "0"]
     )  # fmt: skip
     header = make_header(["scripts/x.py"], 0, 1, args, configs=run_configs(args))
     configs = json.loads(json.dumps(header["configs"]))
-    assert configs["combiner"]["mode"] == "cser"
+    assert configs["combiner"]["mode"] == "cser-update"
     assert configs["combiner"]["options"]["period"] == 4
     assert configs["combiner"]["options"]["compressor"] == "topk"
     assert configs["optimizer"]["name"] == "lamb"

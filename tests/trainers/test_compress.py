@@ -22,6 +22,8 @@ from trainers.comm import (
     FP16,
     QSGD,
     CSERCombiner,
+    CSERPLCombiner,
+    CSERUpdateCombiner,
     ErrorFeedbackCombiner,
     Identity,
     LocalAdaAlterCombiner,
@@ -258,14 +260,21 @@ def _combiner(*argv: str):
 def test_one_flag_selects_every_mode():
     ef = _combiner("--grad-combine", "ef", "--compressor", "qsgd", "--qsgd-levels", "7")
     assert isinstance(ef, ErrorFeedbackCombiner) and ef.compressor.levels == 7
-    cser = _combiner("--grad-combine", "cser", "--cser-period", "4", "--compress-ratio", "0.05")
-    assert isinstance(cser, CSERCombiner) and cser.period == 4
+    cser = _combiner(
+        "--grad-combine", "cser-update", "--cser-period", "4", "--compress-ratio", "0.05"
+    )  # fmt: skip
+    assert isinstance(cser, CSERUpdateCombiner) and cser.period == 4
     assert isinstance(cser.compressor, TopK) and cser.compressor.ratio == 0.05
     assert isinstance(cser.reset_compressor, Identity)
     for hook in ("powersgd", "fp16", "bf16"):
         assert _combiner("--grad-combine", hook).name == hook
     local = _combiner("--grad-combine", "localsgd", "--local-steps", "4")
     assert isinstance(local, LocalSGDCombiner) and local.period == 4
+    blocks = _combiner("--grad-combine", "cser", "--cser-rows", "0.125", "--cser-period", "4")
+    assert isinstance(blocks, CSERCombiner) and blocks.period == 4
+    assert (blocks.options.rows, blocks.options.reset_rows) == (0.125, 0.5)
+    pl = _combiner("--grad-combine", "cser-pl", "--cser-rows", "0.5")
+    assert isinstance(pl, CSERPLCombiner) and pl.options.rows == 0.5
     slowmo = _combiner("--grad-combine", "slowmo")
     assert isinstance(slowmo, SlowMoCombiner)
     assert (slowmo.period, slowmo.slow_period, slowmo.slow_momentum, slowmo.slow_lr) == (3, 48, 0.5, 1.0)  # fmt: skip
@@ -284,6 +293,11 @@ def test_one_flag_selects_every_mode():
         (["--grad-combine", "local-adaalter"], "--optimizer sgd --momentum 0"),
         (["--grad-combine", "powersgd", "--powersgd-start-iter", "1"], "start_iter >= 2.*--powersgd-start-iter"),
         (["--grad-combine", "cser", "--cser-period", "0"], "period must be >= 1.*--cser-period"),
+        (["--grad-combine", "cser-update", "--cser-period", "0"], "period must be >= 1.*--cser-period"),
+        (["--grad-combine", "cser", "--cser-rows", "0"], r"rows must be in \(0, 1\].*--cser-rows"),
+        (["--grad-combine", "cser-pl", "--cser-layers", "1.5"], "layers must be in.*--cser-layers"),
+        (["--grad-combine", "cser", "--compressor", "topk"], "--compressor only applies"),
+        (["--grad-combine", "cser-pl", "--cser-reset-rows", "0.5"], "--cser-reset-rows only applies"),
         (["--grad-combine", "slowmo", "--slowmo-momentum", "1.0"], "--slowmo-momentum"),
     ],
 )  # fmt: skip

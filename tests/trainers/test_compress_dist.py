@@ -38,7 +38,10 @@ def assert_same(a, b, atol=ATOL):
         torch.testing.assert_close(x, y, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("mode", ["cser", "localsgd", "slowmo", "local-adaalter", "adasum-delta"])
+@pytest.mark.parametrize(
+    "mode",
+    ["cser", "cser-pl", "cser-update", "localsgd", "slowmo", "local-adaalter", "adasum-delta"],
+)
 def test_resuming_on_two_ranks_is_bit_exact(ranks, mode):
     """Each rank gets its own residuals, local model and optimizer moments back."""
     for r in ranks:
@@ -47,7 +50,9 @@ def test_resuming_on_two_ranks_is_bit_exact(ranks, mode):
             assert torch.equal(a, b), mode
 
 
-@pytest.mark.parametrize("mode", ["cser_identity_h1", "ef_identity", "localsgd_h1"])
+@pytest.mark.parametrize(
+    "mode", ["cser_identity_h1", "cser_whole_blocks", "ef_identity", "localsgd_h1"]
+)
 def test_identity_compression_or_period_one_is_synchronous_momentum_sgd(
     ranks, synchronous_sgd, mode
 ):
@@ -140,7 +145,18 @@ DIGITS_ACCURACY = 0.9
 
 
 @pytest.mark.parametrize(
-    "mode", ["ef-topk", "ef-qsgd", "cser", "powersgd", "localsgd", "slowmo", "local-adaalter"]
+    "mode",
+    [
+        "ef-topk",
+        "ef-qsgd",
+        "cser",
+        "cser-pl",
+        "cser-update",
+        "powersgd",
+        "localsgd",
+        "slowmo",
+        "local-adaalter",
+    ],
 )
 def test_every_mode_learns_the_digits(ranks, mode):
     assert ranks[0]["digits"][mode] == ranks[1]["digits"][mode]

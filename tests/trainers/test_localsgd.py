@@ -14,7 +14,7 @@ from tests.trainers._trainer_toys import ToyDataset, lr_fn, make_mlp, params, tr
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
 from trainers.comm import (
     QSGD,
-    CSERCombiner,
+    CSERUpdateCombiner,
     ErrorFeedbackCombiner,
     LocalAdaAlterCombiner,
     LocalSGDCombiner,
@@ -112,7 +112,7 @@ def test_local_adaalter_needs_plain_sgd():
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: CSERCombiner(compressor=TopK(ratio=0.3), period=4),
+        lambda: CSERUpdateCombiner(compressor=TopK(ratio=0.3), period=4),
         lambda: ErrorFeedbackCombiner(compressor=QSGD(levels=4, bucket_size=16)),
         lambda: SlowMoCombiner(period=2, slow_period=3),
         lambda: LocalAdaAlterCombiner(period=3),
@@ -131,7 +131,7 @@ def test_resumes_bit_for_bit(make, tmp_path):
 
 def test_cser_on_one_worker_keeps_the_update_split():
     """x = xbar + e, and the reset folds e back in: after a reset x is xbar."""
-    combiner = CSERCombiner(compressor=TopK(ratio=0.3), period=4)
+    combiner = CSERUpdateCombiner(compressor=TopK(ratio=0.3), period=4)
     trainer = run(combiner, epochs=1)  # 5 steps: a reset after step 4, then one more step
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
     torch.testing.assert_close(flat, combiner.synced + combiner.residual, rtol=0, atol=1e-6)

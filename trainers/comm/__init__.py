@@ -9,7 +9,9 @@ mode               what travels                                                 
 ``average``        gradients, all-reduced by DDP during the backward              ``average``
 ``adasum``         gradients or updates, combined by the Adasum tree              ``adasum/``
 ``ef``             compressed gradients, with error feedback                      ``ef``
-``cser``           compressed updates, residuals reset every H steps              ``cser``
+``cser``           models on a random block every step, a larger one every H      ``cser``
+``cser-pl``        models on a random block every H steps (CSER-PL)               ``cser``
+``cser-update``    compressed updates, residuals reset every H steps              ``cser``
 ``def``            compressed updates, local models detached by the error         ``detached_ef``
 ``coded``          gradient sums up a tree, the first of each group (CodedReduce) ``coded``
 ``powersgd``       low-rank factors (PyTorch's DDP hook)                          ``ddp_hooks``
@@ -58,7 +60,14 @@ from .compressors import (
     compressed_allreduce,
     create_compressor,
 )
-from .cser import CSERCombiner, CSEROptions
+from .cser import (
+    CSERCombiner,
+    CSEROptions,
+    CSERPLCombiner,
+    CSERPLOptions,
+    CSERUpdateCombiner,
+    CSERUpdateOptions,
+)
 from .ddp_hooks import BF16Combiner, FP16Combiner, PowerSGDCombiner, PowerSGDOptions
 from .ef import ErrorFeedbackCombiner
 from .flat import (
@@ -87,6 +96,10 @@ __all__ = [
     "COMPRESSORS",
     "CSERCombiner",
     "CSEROptions",
+    "CSERPLCombiner",
+    "CSERPLOptions",
+    "CSERUpdateCombiner",
+    "CSERUpdateOptions",
     "AdasumCombiner",
     "AdasumOptions",
     "AverageCombiner",
