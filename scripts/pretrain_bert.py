@@ -82,8 +82,10 @@ from trainers.config import ElasticConfig
 from trainers.ema import ModelEMA
 from trainers.logs import PhasedRunLogger, ratio_metrics
 from trainers.optim import create_optimizer
-from trainers.schedules import create_schedule
+from trainers.schedules import LRSchedule, create_schedule
 
+# --lr-schedule: the default rounds the phases to whole steps (the published runs use it)
+LR_SCHEDULES = ("warmup_const_poly", "gluonnlp", "nvidia_poly_warmup")
 PHASE_FLAGS = ("max_seq_length", "max_predictions", "steps", "batch_size", "accumulate", "lr",
                "warmup_ratio")  # fmt: skip
 # phase -> defaults of the flags above (the LANS recipe's shape, CPU-sized steps).
@@ -150,8 +152,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 default=defaults[flag],
                 help=help_,
             )
-    t.add_argument("--const-ratio", type=float, default=0.25, help="constant-lr fraction")
-    t.add_argument("--decay-power", type=float, default=1.0, help="polynomial decay degree")
+    t.add_argument(
+        "--lr-schedule",
+        type=str,
+        default="warmup_const_poly",
+        choices=LR_SCHEDULES,
+        help="warmup_const_poly: the LANS schedule with its phases rounded to whole steps; "
+        "gluonnlp: the same as gluon-nlp computes it (fractional phases; a zero warmup ratio "
+        "is a constant lr); nvidia_poly_warmup: NVIDIA's PolyWarmUpScheduler (warmup, then "
+        "base * (1 - (t + 1) / T) ** power over the whole phase, no constant phase)",
+    )
+    t.add_argument(
+        "--const-ratio",
+        type=float,
+        default=None,
+        help="constant-lr fraction (default 0.25; 0 with --lr-schedule nvidia_poly_warmup)",
+    )
+    t.add_argument(
+        "--decay-power",
+        type=float,
+        default=None,
+        help="polynomial decay degree (default 1; 0.5, NVIDIA's, with nvidia_poly_warmup)",
+    )
     t.add_argument(
         "--clip-grad-norm", type=float, default=0.0, help="global gradient clipping (<= 0: none)"
     )
@@ -205,6 +227,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--phases must be 1, 2 or 1,2, got {args.phases!r}")
     if not args.phase_list or not set(args.phase_list) <= {1, 2}:
         p.error(f"--phases must be 1, 2 or 1,2, got {args.phases!r}")
+    nvidia = args.lr_schedule == "nvidia_poly_warmup"
+    if args.const_ratio is None:
+        args.const_ratio = 0.0 if nvidia else 0.25
+    if args.decay_power is None:
+        args.decay_power = 0.5 if nvidia else 1.0
+    if nvidia and args.const_ratio != 0:
+        p.error("--lr-schedule nvidia_poly_warmup has no constant phase: drop --const-ratio")
+    if args.decay_power <= 0:
+        p.error(f"--decay-power must be positive, got {args.decay_power}")
     if args.lr is None:
         args.lr = {"lans": 5e-3, "lamb": 5e-3}.get(args.optimizer, 1e-4)
     for phase in (1, 2):
@@ -437,12 +468,32 @@ def phase_model(
     return model
 
 
-def _schedule(args: argparse.Namespace, phase: int, steps: int):
+def _schedule(args: argparse.Namespace, phase: int, steps: int) -> LRSchedule:
+    """The phase's lr schedule (``--lr-schedule``; formulas in ``trainers/schedules.py``)."""
+    base_lr = getattr(args, f"phase{phase}_lr")
+    warmup = getattr(args, f"phase{phase}_warmup_ratio")
+    if args.lr_schedule == "nvidia_poly_warmup":
+        return create_schedule(
+            "nvidia_poly_warmup",
+            base_lr=base_lr,
+            total_steps=steps,
+            warmup_ratio=warmup,
+            power=args.decay_power,
+        )
+    if args.lr_schedule == "gluonnlp":
+        return create_schedule(
+            "warmup_const_poly",
+            base_lr=base_lr,
+            total_steps=steps,
+            warmup_ratio=warmup,
+            constant_ratio=args.const_ratio,
+            power=args.decay_power,
+        )
     return create_schedule(
         "warmup_const_poly",
-        base_lr=getattr(args, f"phase{phase}_lr"),
+        base_lr=base_lr,
         total_steps=steps,
-        warmup_steps=round(steps * getattr(args, f"phase{phase}_warmup_ratio")),
+        warmup_steps=round(steps * warmup),
         constant_steps=round(steps * args.const_ratio),
         power=args.decay_power,
     )

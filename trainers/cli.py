@@ -294,7 +294,10 @@ def add_schedule_args(parser: argparse.ArgumentParser, *, default: str = "cosine
     g.add_argument("--lr-decay", type=float, default=0.1, help="step mode: decay factor")
     g.add_argument("--lr-decay-epoch", type=str, default="40,60", help="step mode: epochs")
     g.add_argument(
-        "--lr-decay-power", type=float, default=2.0, help="poly / warmup_const_poly power"
+        "--lr-decay-power",
+        type=float,
+        default=2.0,
+        help="poly / warmup_const_poly / nvidia_poly_warmup power (NVIDIA's BERT: 0.5)",
     )
     g.add_argument("--warmup-lr", type=float, default=0.0, help="lr at the start of warmup")
     g.add_argument("--warmup-epochs", type=float, default=None, help="linear warmup length")

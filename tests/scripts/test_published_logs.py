@@ -86,7 +86,6 @@ DIRTY_ONLY_IN_LOGS = {
     ("digits_comm_ef_qsgd_2proc", "1915e6d6f8d3"),
     ("digits_comm_slowmo_2proc", "1915e6d6f8d3"),
     ("digits_comm_localsgd_2proc", "1915e6d6f8d3"),
-    ("digits_comm_cser_2proc", "1915e6d6f8d3"),
     ("digits_comm_local_adaalter_2proc", "1915e6d6f8d3"),
 }
 

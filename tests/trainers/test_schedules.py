@@ -144,6 +144,19 @@ def test_warmup_const_poly_degree_two():
         assert sched(step) == pytest.approx(lans_lr(step, 200, 0.1, 0.2, 2.0), abs=1e-12)
 
 
+def test_ratio_form_round_trips_and_old_state_dicts_load():
+    a = create_schedule(
+        "warmup_const_poly", base_lr=1.0, total_steps=30, warmup_ratio=0.05, constant_ratio=0.25
+    )
+    b = create_schedule("cosine", base_lr=1.0, total_steps=5)
+    b.load_state_dict(a.state_dict())
+    assert b == a and [b(t) for t in range(31)] == [a(t) for t in range(31)]
+    old = create_schedule("cosine", base_lr=1.0, total_steps=5).state_dict()
+    del old["warmup_ratio"], old["constant_ratio"]  # a checkpoint from before the ratio form
+    b.load_state_dict(old)
+    assert b.mode == "cosine" and b(5) == 0.0
+
+
 def test_state_dict_round_trip():
     a = create_schedule(
         "step", base_lr=0.1, total_steps=90, steps_per_epoch=3, decay_epochs=[10, 20]
@@ -164,6 +177,12 @@ def test_state_dict_round_trip():
         (dict(mode="cosine", warmup_steps=80, constant_steps=30), "exceeds total_steps"),
         (dict(mode="cosine", total_steps=0), "total_steps must be positive"),
         (dict(mode="step", steps_per_epoch=10, constant_steps=5), "constant_steps is not used"),
+        (dict(mode="nvidia_poly_warmup", constant_steps=5), "has no constant phase"),
+        (dict(mode="nvidia_poly_warmup", warmup_ratio=0.1, constant_ratio=0.2), "no constant"),
+        (dict(mode="cosine", warmup_ratio=0.1), "warmup_ratio is used by"),
+        (dict(mode="warmup_const_poly", warmup_ratio=0.1, warmup_steps=10), "not both"),
+        (dict(mode="warmup_const_poly", constant_ratio=0.2), "constant_ratio needs warmup_ratio"),
+        (dict(mode="warmup_const_poly", warmup_ratio=0.8, constant_ratio=0.3), "sum <= 1"),
     ],
 )
 def test_invalid_configurations(kwargs, match):
