@@ -231,8 +231,23 @@ def add_optimizer_args(
     )
     g.add_argument(
         "--adapt-no-wd",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="lamb/lans: apply the trust ratio to the --no-wd parameters too (unset: the "
+        "optimizer's default, lamb off, lans on; --no-adapt-no-wd turns it off for lans)",
+    )
+    g.add_argument(
+        "--use-nvlamb",
         action="store_true",
-        help="lamb/lans: apply the trust ratio to the --no-wd parameters too",
+        help="lamb: apex's use_nvlamb, the trust ratio on every tensor "
+        "(= --always-adapt --adapt-no-wd)",
+    )
+    g.add_argument(
+        "--optimizer-variant",
+        default=None,
+        metavar="NAME",
+        help="lamb: apex (default) or deepspeed (DeepSpeed FusedLamb); lans: gluonnlp "
+        "(default, the authors' FusedLANS), mxnet or mxnet-sequential",
     )
 
 
@@ -243,11 +258,16 @@ _OPTIMIZER_OPTION_FLAGS = {
     "bias_correction": "--no-bias-correction",
     "always_adapt": "--always-adapt",
     "adapt_no_wd": "--adapt-no-wd",
+    "use_nvlamb": "--use-nvlamb",
+    "variant": "--optimizer-variant",
 }
 
 
 def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
     """The :class:`OptimizerConfig` of parsed :func:`add_optimizer_args` flags.
+
+    Only the options actually given reach ``options``; the others keep the optimizer's
+    defaults.
 
     Raises:
         ValueError: a flag given that the chosen optimizer does not take.
@@ -261,14 +281,22 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
             options[option] = getattr(args, option)
     if getattr(args, "no_bias_correction", False):
         options["bias_correction"] = False
-    for option in ("always_adapt", "adapt_no_wd"):
+    for option in ("always_adapt", "use_nvlamb"):
         if getattr(args, option, False):
             options[option] = True
-    for option in options:
+    if getattr(args, "adapt_no_wd", None) is not None:
+        options["adapt_no_wd"] = bool(args.adapt_no_wd)
+    if getattr(args, "optimizer_variant", None) is not None:
+        options["variant"] = args.optimizer_variant
+    for option, value in options.items():
         if not optimizer_accepts(args.optimizer, option):
+            flag = _OPTIMIZER_OPTION_FLAGS[option]
+            if option == "adapt_no_wd" and not value:
+                flag = "--no-adapt-no-wd"
+            takers = [n for n in list_optimizers() if optimizer_accepts(n, option)]
             raise ValueError(
-                f"{_OPTIMIZER_OPTION_FLAGS[option]} is not an option of --optimizer "
-                f"{args.optimizer}; drop it or pick an optimizer that takes it (lamb, lans)"
+                f"{flag} is not an option of --optimizer {args.optimizer}; drop it or pick an "
+                f"optimizer that takes it ({', '.join(takers)})"
             )
     return OptimizerConfig(
         name=args.optimizer,

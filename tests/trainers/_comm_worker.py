@@ -256,7 +256,17 @@ def main(out: Path) -> None:
         )[1]
         res["ref_periodic_h2"] = reference_slowmo(rank, 2, 4, 0.0, 1.0)
         res["ref_slowmo"] = reference_slowmo(rank, 2, 4, 0.5, 0.8)
-        res["adaalter"] = fit(env, LocalAdaAlterCombiner(period=3, eps=0.5), momentum=0.0)[1]
+        res["adaalter"] = fit(
+            env,
+            LocalAdaAlterCombiner(
+                period=3,
+                eps=0.5,
+                warmup_steps=0,
+                eps_mode="per_step",
+                weight_decay_mode="in_gradient",
+            ),
+            momentum=0.0,
+        )[1]
         res["ref_adaalter"] = reference_adaalter(rank, 3, 0.5)
 
         # PowerSGD through the combiner vs PyTorch's hook registered on DDP by hand.

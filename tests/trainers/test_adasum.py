@@ -2,7 +2,9 @@
 
 Oracles: the rule's published properties with Horovod's tolerance
 (``||expected - got|| / ||expected|| / 100 < eps(dtype)``), and a numpy binary tree written
-here from the paper's formula and the documented non-power-of-two rule.
+here from the paper's formula, Horovod's ``sqrt(DBL_MIN)`` guard and the documented
+non-power-of-two rule. The delta path against a transcription of Horovod's optimizer and
+adasum.h is in test_faithful_comm.py.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tests.trainers._trainer_toys import ToyDataset, lr_fn, make_mlp, train_step
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
 from trainers.cli import add_distributed_args, add_optimizer_args, build_combiner, build_optimizer
 from trainers.comm import GradCombiner
+from trainers.comm.adasum import EPS as GUARD
 from trainers.comm.adasum import (
     AdasumCombiner,
     adasum_allreduce_,
@@ -39,7 +42,10 @@ NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
 # ================================================================================================
 # the numpy reference (float64)
 # ================================================================================================
-def np_rule(a: np.ndarray, b: np.ndarray, eps: float = 1e-8) -> np.ndarray:
+SQRT_DBL_MIN = math.sqrt(sys.float_info.min)  # Horovod's guard (adasum.h: sqrt_double_min)
+
+
+def np_rule(a: np.ndarray, b: np.ndarray, eps: float = SQRT_DBL_MIN) -> np.ndarray:
     """Maleki et al.'s pairwise rule with Horovod's guard."""
     dot = float(np.dot(a, b))
     ca = 1.0 - dot / (2.0 * float(np.dot(a, a))) if np.dot(a, a) >= eps else 1.0
@@ -132,14 +138,17 @@ def test_tiny_magnitudes(dtype):
     x, y = _parallel_columns(dtype, np.array([1.3, -0.7]) * tiny, seed=5)
     a, b = torch.from_numpy(x), torch.from_numpy(y)
     mean = (x.astype(np.float64) + y.astype(np.float64)) / 2
-    if dtype == torch.float16:  # squared norms ~1e-6: above Horovod's guard
-        assert diff_ratio(mean, as64(adasum_pair(a, b))) < np.finfo(np_dtype).eps
-    else:
-        # fp32's tiny (1e-38) squares far below the 1e-8 guard: both sides count as zero and
-        # the default rule sums (Horovod's behaviour, documented); eps=0 keeps the rule exact.
-        total = x.astype(np.float64) + y.astype(np.float64)
-        assert diff_ratio(total, as64(adasum_pair(a, b))) < np.finfo(np_dtype).eps
+    # squared norms ~1e-73 (fp32) and ~1e-6 (fp16): above Horovod's sqrt(DBL_MIN) guard
+    assert diff_ratio(mean, as64(adasum_pair(a, b))) < np.finfo(np_dtype).eps
     assert diff_ratio(mean, as64(adasum_pair(a, b, eps=0.0))) < np.finfo(np_dtype).eps
+    if dtype == torch.float32:
+        # a guard of 1e-8 (this library's earlier default) counts both sides as zero: a sum
+        total = x.astype(np.float64) + y.astype(np.float64)
+        assert diff_ratio(total, as64(adasum_pair(a, b, eps=1e-8))) < np.finfo(np_dtype).eps
+
+
+def test_the_default_guard_is_horovods():
+    assert math.sqrt(sys.float_info.min) == GUARD == AdasumCombiner().options.eps
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -242,9 +251,9 @@ def test_gradient_mode_scales_the_guard_with_the_fp16_loss_scale(monkeypatch):
     for p in combiner.model.parameters():
         p.grad = torch.ones_like(p)
     combiner.reduce_gradients(torch.amp.GradScaler("cpu", init_scale=1024.0))
-    assert seen["n"] == 4 and seen["eps"] == pytest.approx(1e-8 * 1024.0**2)
+    assert seen["n"] == 4 and seen["eps"] == pytest.approx(GUARD * 1024.0**2)
     combiner.reduce_gradients(None)
-    assert seen["eps"] == 1e-8
+    assert seen["eps"] == GUARD
 
 
 def test_hierarchical_on_one_node_raises_instead_of_averaging():
@@ -271,13 +280,14 @@ def _combiner(*argv: str) -> GradCombiner:
     return combiner
 
 
-def test_cli_picks_the_mode_from_the_optimizer():
-    assert _combiner("--grad-combine", "adasum").mode == "gradient"  # nag
-    assert _combiner("--grad-combine", "adasum", "--optimizer", "sgd").mode == "gradient"
-    for name in ("adam", "adamw", "lamb", "lans"):
+def test_cli_defaults_to_horovods_delta_mode_for_every_optimizer():
+    for name in ("nag", "sgd", "adam", "adamw", "lamb", "lans"):
         assert _combiner("--grad-combine", "adasum", "--optimizer", name).mode == "delta"
-    explicit = _combiner("--grad-combine", "adasum", "--adasum-mode", "delta", "--optimizer", "nag")
-    assert isinstance(explicit, AdasumCombiner) and explicit.mode == "delta"
+    assert _combiner("--grad-combine", "adasum", "--adasum-mode", "auto").mode == "gradient"  # nag
+    auto = _combiner("--grad-combine", "adasum", "--adasum-mode", "auto", "--optimizer", "adam")
+    assert auto.mode == "delta"
+    explicit = _combiner("--grad-combine", "adasum", "--adasum-mode", "gradient")
+    assert isinstance(explicit, AdasumCombiner) and explicit.mode == "gradient"
     hier = _combiner(
         "--grad-combine", "adasum", "--adasum-mode", "gradient", "--adasum-hierarchical"
     )

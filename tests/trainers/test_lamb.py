@@ -6,7 +6,8 @@ pre-clip g <- g / (||g_all|| / max_grad_norm) when ||g_all|| > max_grad_norm:
     u = m^/(sqrt(v^)+eps) + wd w;  r = phi(||w||)/||u|| (1 when either is 0), then clamped
     w = w - lr r u
 The trust ratio is skipped (r = 1) where wd == 0 unless always_adapt (NVIDIA/timm), and on
-no_wd groups unless adapt_no_wd.
+no_wd groups unless adapt_no_wd; use_nvlamb is both. The transcriptions of apex's,
+DeepSpeed's and MXNet's code (and variant="deepspeed") are in test_faithful_optim.py.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def lamb_reference(
                     wn = np.clip(wn, *weight_norm_clamp)
                 un = np.linalg.norm(u)
                 r = wn / un if wn > 0 and un > 0 else 1.0
-                if trust_clamp is not None:
+                if trust_clamp is not None and wn > 0 and un > 0:
                     r = np.clip(r, *trust_clamp)
             w[i] = w[i] - lr * r * u
     return w
@@ -89,9 +90,10 @@ VARIANTS = {
     "no-bias-correction": dict(bias_correction=False),
     "no-pre-clip": dict(max_grad_norm=None),
     "pre-clip-inactive": dict(max_grad_norm=100.0),
-    "deepspeed": dict(
+    "trust-clamp-always-adapt": dict(
         eps=1e-8, weight_decay=0.0, max_grad_norm=None, trust_clamp=(0.01, 10.0), always_adapt=True
     ),
+    "trust-clamp-excludes-1": dict(trust_clamp=(None, 0.5)),
     "mxnet-bounds": dict(max_grad_norm=None, always_adapt=True, weight_norm_clamp=(0.5, 3.0)),
     "timm-trust-clip": dict(trust_clamp=(None, 1.0)),
     "wd0-adam-steps": dict(weight_decay=0.0),
@@ -168,6 +170,15 @@ def test_weight_norm_clamp_bounds_the_numerator():
     assert step == pytest.approx(5.0, rel=1e-4)
 
 
+def test_trust_clamp_leaves_the_fallback_ratio_alone():
+    # DeepSpeed clamps only a computed ratio: an all-zero weight moves by lr * ||u||
+    p = nn.Parameter(torch.zeros(50))
+    p.grad = torch.randn(50)
+    Lamb([p], lr=1.0, max_grad_norm=None, trust_clamp=(None, 0.5)).step()
+    u = torch.ones(50)  # m^ / sqrt(v^) = sign(g) at step 1 (up to eps)
+    assert float(p.detach().norm()) == pytest.approx(float(u.norm()), rel=1e-5)
+
+
 def test_zero_weight_with_lower_bound_adapts():
     # MXNet: the ratio uses the clamped norm, so an all-zero tensor moves by lower_bound
     p = nn.Parameter(torch.zeros(50))
@@ -184,6 +195,7 @@ def test_zero_weight_with_lower_bound_adapts():
         (dict(weight_norm_clamp=(-1.0, 1.0)), ">= 0"),
         (dict(max_grad_norm=0.0), "pass None to disable"),
         (dict(betas=(1.0, 0.999)), "betas"),
+        (dict(variant="nvlamb"), "'apex'.*or 'deepspeed'"),
     ],
 )
 def test_bad_options_raise(options, match):
@@ -199,16 +211,40 @@ def test_max_grad_norm_is_one_global_clip():
         opt.step()
 
 
+def test_deepspeed_variant_clips_each_group_by_its_own_norm():
+    # group norms 4 and 0.5 with max_grad_norm 1: only the first is clipped, by (4 + 1e-6)
+    a, b = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))
+    opt = Lamb([{"params": [a]}, {"params": [b], "max_grad_norm": 2.0}], variant="deepspeed")
+    a.grad, b.grad = torch.full((4,), 2.0), torch.full((4,), 0.25)
+    opt.step()
+    m_a, m_b = opt.state[a]["exp_avg"], opt.state[b]["exp_avg"]
+    torch.testing.assert_close(m_a, torch.full((4,), 0.1 * 2.0 / (4.0 + 1e-6)))
+    torch.testing.assert_close(m_b, torch.full((4,), 0.1 * 0.25))
+    assert torch.equal(a.grad, torch.full((4,), 2.0))  # the caller's gradient is untouched
+
+
 # ---- no_wd groups ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "options",
-    [{}, dict(always_adapt=True), dict(always_adapt=True, adapt_no_wd=True)],
-    ids=["default", "always-adapt", "adapt-no-wd"],
+    [
+        {},
+        dict(always_adapt=True),
+        dict(always_adapt=True, adapt_no_wd=True),
+        dict(use_nvlamb=True),
+    ],
+    ids=["default", "always-adapt", "adapt-no-wd", "use-nvlamb"],
 )
 def test_no_wd_group_has_no_decay_and_no_trust_ratio(options):
     weights, grads = make_problem(seed=2)
     no_wd = {2, 3, ZERO_GRAD}
-    expected = lamb_reference(weights, grads, no_wd=no_wd, **options)
+    nvlamb = options.get("use_nvlamb", False)
+    expected = lamb_reference(
+        weights,
+        grads,
+        no_wd=no_wd,
+        always_adapt=options.get("always_adapt", nvlamb),
+        adapt_no_wd=options.get("adapt_no_wd", nvlamb),
+    )
 
     def make(params):
         decay = [p for i, p in enumerate(params) if i not in no_wd]
@@ -219,7 +255,7 @@ def test_no_wd_group_has_no_decay_and_no_trust_ratio(options):
 
     actual = run_torch(make, weights, grads)
     assert_close_lists(actual, expected, rtol=2e-5, atol=2e-6)
-    if not options.get("adapt_no_wd"):
+    if not (options.get("adapt_no_wd") or nvlamb):
         # a zero gradient with neither decay nor trust ratio leaves the weight where it was
         np.testing.assert_array_equal(actual[ZERO_GRAD], weights[ZERO_GRAD].astype(np.float32))
 
@@ -262,6 +298,26 @@ def test_cli_flags_reach_lamb_and_misuse_fails():
         build_optimizer(_cli(["--optimizer", "nag", "--trust-clamp", "0.01,10"]), model)
     with pytest.raises(ValueError, match="--always-adapt is not an option of --optimizer lans"):
         build_optimizer(_cli(["--optimizer", "lans", "--always-adapt"]), model)
+    with pytest.raises(ValueError, match="--use-nvlamb is not an option of --optimizer lans.*lamb"):
+        build_optimizer(_cli(["--optimizer", "lans", "--use-nvlamb"]), model)
+    args = _cli(["--optimizer", "lamb", "--lr", "1", "--use-nvlamb", "--optimizer-variant", "apex"])
+    group = build_optimizer(args, model).param_groups[0]
+    assert group["always_adapt"] and group["adapt_no_wd"] and group["variant"] == "apex"
+    args = _cli(["--optimizer", "lamb", "--lr", "1", "--optimizer-variant", "deepspeed"])
+    group = build_optimizer(args, model).param_groups[0]
+    assert group["variant"] == "deepspeed" and not group["always_adapt"]
+    with pytest.raises(ValueError, match="variant must be 'apex'"):
+        build_optimizer(
+            _cli(["--optimizer", "lamb", "--lr", "1", "--optimizer-variant", "x"]), model
+        )
+
+
+def test_cli_gives_only_the_options_given():
+    from trainers.cli import optimizer_config
+
+    assert optimizer_config(_cli(["--optimizer", "lamb", "--lr", "1"])).options == {}
+    config = optimizer_config(_cli(["--optimizer", "lamb", "--lr", "1", "--no-adapt-no-wd"]))
+    assert config.options == {"adapt_no_wd": False}
     with pytest.raises(SystemExit):
         _cli(["--trust-clamp", "10"])
 
@@ -343,7 +399,7 @@ def test_step_reads_no_tensor_value_on_the_host():
 
     weights, grads = make_problem(seed=5)
     variant = dict(trust_clamp=(0.01, 10.0), weight_norm_clamp=(0.1, None), always_adapt=True)
-    for options in ({}, variant):
+    for options in ({}, variant, dict(variant="deepspeed", trust_clamp=(0.01, 10.0))):
         params = _params(weights)
         opt = Lamb(params, lr=LR, **options)
         with host_reads_raise():

@@ -1,12 +1,15 @@
 """LANS against a float64 numpy transcription of the spec's reference rule (Zheng et al. 2020).
 
 Oracle (docs/specs: LANS), per tensor w, gradient g, step t, after the optional global
-pre-clip g <- g / (||g_all|| / max_grad_norm) when ||g_all|| > max_grad_norm:
+pre-clip g <- g * max_grad_norm / (||g_all|| + 1e-6) when that factor is below 1
+(torch.nn.utils.clip_grad_norm_, as the authors' recipe calls it):
     g = g / (||g|| + eps)
     m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  m^, v^ bias-corrected
     um = m^/(sqrt(v^)+eps) + wd w;   uc = g/(sqrt(v^)+eps) + wd w     (w before the update)
-    rm = ||w||/||um||;  rc = ||w||/||uc||   (1 when either norm is 0)
+    rm = ||w||/||um||;  rc = ||w||/||uc||   (1 when either norm is 0; every tensor, also
+    no_wd groups, unless adapt_no_wd=False)
     w = w - lr b1 rm um - lr (1-b1) rc uc
+The transcriptions of the authors' and MXNet's code are in test_faithful_optim.py.
 and the schedule, with x = step/total: base x/warmup (x < warmup), base (x < warmup +
 const), base ((1-x)/(1-warmup-const))**degree otherwise.
 """
@@ -59,7 +62,7 @@ def lans_reference(
     max_grad_norm=1.0,
     trust_clamp=None,
     weight_norm_clamp=None,
-    adapt_no_wd=False,
+    adapt_no_wd=True,
     no_wd=frozenset(),
 ):
     b1, b2 = betas
@@ -70,8 +73,8 @@ def lans_reference(
         grads = [g.astype(np.float64) for g in grads]
         if max_grad_norm is not None:
             total = np.sqrt(sum(np.sum(g * g) for g in grads))
-            if total > max_grad_norm:
-                grads = [g / (total / max_grad_norm) for g in grads]
+            coef = min(1.0, max_grad_norm / (total + 1e-6))
+            grads = [g * coef for g in grads]
         for i, g in enumerate(grads):
             wd = 0.0 if i in no_wd else weight_decay
             g = g / (np.linalg.norm(g) + eps)
@@ -171,21 +174,47 @@ def test_trust_clamp_bounds_both_ratios():
 
 
 # ---- no_wd groups ---------------------------------------------------------------------------
-@pytest.mark.parametrize("adapt_no_wd", [False, True], ids=["excluded", "adapt-no-wd"])
-def test_no_wd_group_has_no_decay_and_no_trust_ratio(adapt_no_wd):
+@pytest.mark.parametrize(
+    "options",
+    [{}, dict(adapt_no_wd=True), dict(adapt_no_wd=False)],
+    ids=["default-adapts", "adapt-no-wd", "excluded"],
+)
+def test_no_wd_group_has_no_decay_and_by_default_both_trust_ratios(options):
     weights, grads = make_problem(seed=14)
     no_wd = {1, 2, ZERO_GRAD}
-    expected = lans_reference(weights, grads, no_wd=no_wd, adapt_no_wd=adapt_no_wd)
+    expected = lans_reference(weights, grads, no_wd=no_wd, **options)
 
     def make(params):
         decay = [p for i, p in enumerate(params) if i not in no_wd]
         plain = [p for i, p in enumerate(params) if i in no_wd]
         groups = [{"params": decay}, {"params": plain, "no_wd": True, "weight_decay": 0.5}]
-        return Lans(groups, lr=LR, adapt_no_wd=adapt_no_wd)
+        return Lans(groups, lr=LR, **options)
 
     actual = run_torch(make, weights, grads)
     assert_close_lists(actual, expected, rtol=2e-5, atol=2e-6)
+    # a zero gradient gets g^ = 0; with the no_wd flag no decay either, so it stays put
     np.testing.assert_array_equal(actual[ZERO_GRAD], weights[ZERO_GRAD].astype(np.float32))
+    # the default (the authors' kernel) is not the old one (no trust ratio on no_wd groups)
+    old = lans_reference(weights, grads, no_wd=no_wd, adapt_no_wd=False)
+    if options.get("adapt_no_wd", True):
+        assert not np.allclose(expected[1], old[1], rtol=1e-3)
+
+
+# ---- variants -------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["mxnet", "mxnet-sequential"])
+def test_mxnet_variants_keep_zero_gradients_finite(variant):
+    # MXNet's g / ||g|| is NaN for an all-zero gradient; ours keeps g^ = 0 there
+    weights, grads = make_problem(seed=18)
+    actual = run_torch(lambda ps: Lans(ps, lr=LR, variant=variant), weights, grads)
+    assert all(np.all(np.isfinite(a)) for a in actual)
+    default = run_torch(lambda ps: Lans(ps, lr=LR), weights, grads)
+    assert_close_lists(actual, default, rtol=1e-2, atol=1e-3)  # close, not equal
+    assert not np.array_equal(actual[0], default[0])
+
+
+def test_bad_variant_names_the_choices():
+    with pytest.raises(ValueError, match="'gluonnlp'.*'mxnet'.*'mxnet-sequential'"):
+        Lans([nn.Parameter(torch.ones(2))], variant="deepspeed")
 
 
 # ---- engineering ----------------------------------------------------------------------------
@@ -244,7 +273,11 @@ def test_step_reads_no_tensor_value_on_the_host():
     with host_reads_raise(), pytest.raises(HostSync):
         torch.tensor([2.0]).item()
     weights, grads = make_problem(seed=17)
-    for options in ({}, dict(trust_clamp=(0.01, 10.0), weight_norm_clamp=(0.1, 5.0))):
+    for options in (
+        {},
+        dict(trust_clamp=(0.01, 10.0), weight_norm_clamp=(0.1, 5.0)),
+        dict(variant="mxnet-sequential", adapt_no_wd=False),
+    ):
         params = _params(weights)
         opt = Lans(params, lr=LR, **options)
         with host_reads_raise():
@@ -273,7 +306,27 @@ def test_create_optimizer_and_cli_flags():
     assert group["max_grad_norm"] is None and group["trust_clamp"] == (0.01, 10.0)
     assert not group["bias_correction"] and group["eps"] == 1e-6
     assert [g["no_wd"] for g in opt.param_groups] == [False, True]
+    assert group["adapt_no_wd"] and group["variant"] == "gluonnlp"  # the defaults
     assert isinstance(create_optimizer("lans", model, lr=0.1), Lans)
+
+    parser = argparse.ArgumentParser()
+    add_optimizer_args(parser)
+    args = parser.parse_args(
+        [
+            *("--optimizer", "lans", "--lr", "0.005", "--no-adapt-no-wd"),
+            *("--optimizer-variant", "mxnet-sequential"),
+        ]
+    )
+    group = build_optimizer(args, model).param_groups[0]
+    assert not group["adapt_no_wd"] and group["variant"] == "mxnet-sequential"
+    args = parser.parse_args(
+        ["--optimizer", "lans", "--lr", "1", "--optimizer-variant", "deepspeed"]
+    )
+    with pytest.raises(ValueError, match="variant must be 'gluonnlp'"):
+        build_optimizer(args, model)
+    args = parser.parse_args(["--optimizer", "adamw", "--lr", "1", "--no-adapt-no-wd"])
+    with pytest.raises(ValueError, match="--no-adapt-no-wd is not an option of --optimizer adamw"):
+        build_optimizer(args, model)
 
 
 # ---- the schedule used with LANS ------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The local-SGD family and CSER/error feedback in one process: update rules and resuming.
 
-Oracles: SlowMo's outer step and Local AdaAlter's update transcribed here from the papers'
-formulas; for resuming, the same run without interruption.
+Oracles: SlowMo's outer step transcribed here from the paper's formula, Local AdaAlter's from
+the authors' code (and this library's earlier variants); for resuming, the same run without
+interruption. The multi-worker transcriptions of the authors' code are in
+test_faithful_comm.py.
 """
 
 from __future__ import annotations
@@ -79,10 +81,23 @@ def test_slowmo_on_one_worker_is_the_outer_momentum_rule():
         torch.testing.assert_close(a, w.detach(), rtol=0, atol=1e-6)
 
 
-def test_local_adaalter_on_one_worker_is_adaalter():
-    """Sync every H: D <- A; between syncs the denominator is sqrt(D + s eps^2)."""
-    eps, period = 0.3, 2
-    got = params(run(LocalAdaAlterCombiner(period=period, eps=eps), momentum=0.0).model)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"period": 2, "eps": 0.3},  # the authors' rule: one synchronous step, sqrt(D + eps)
+        {"period": 2, "eps": 0.3, "warmup_steps": 3},
+        {"period": 2, "eps": 0.3, "warmup_steps": 0, "eps_mode": "per_step"},
+        {"period": 3, "eps": 0.3, "weight_decay_mode": "in_gradient"},
+    ],
+    ids=["authors", "warmup3", "per-step-eps", "wd-in-gradient"],
+)
+def test_local_adaalter_on_one_worker_is_adaalter(options):
+    """Synchronous steps update D every step; then D <- A every H local steps. The
+    denominator is sqrt(D + eps) (per_step: sqrt(D + s eps^2)); weight decay is
+    ``- lr wd x`` apart from the accumulator (in_gradient: added to g)."""
+    combiner = LocalAdaAlterCombiner(**options)
+    eps, period, warmup = combiner.eps, combiner.period, combiner.warmup_steps
+    got = params(run(combiner, momentum=0.0).model)
     model = make_mlp(seed=0)
     ps = list(model.parameters())
     acc = [torch.zeros_like(p) for p in ps]
@@ -90,18 +105,36 @@ def test_local_adaalter_on_one_worker_is_adaalter():
     s = 0
     for t, (x, y) in enumerate(batches(3, 2), start=1):
         grads = torch.autograd.grad(F.cross_entropy(model(x), y), ps)
-        s += 1
+        s = 1 if t <= warmup else s + 1
         with torch.no_grad():
             for p, g, a, d in zip(ps, grads, acc, den, strict=True):
-                g = g + 1e-3 * p
-                p -= lr_fn(t - 1) * g / torch.sqrt(d + s * eps**2)
+                in_gradient = options.get("weight_decay_mode") == "in_gradient"
+                if in_gradient:
+                    g = g + 1e-3 * p
+                shift = s * eps**2 if options.get("eps_mode") == "per_step" else eps
+                step = g / torch.sqrt(d + shift)
+                if not in_gradient:
+                    step = step + 1e-3 * p
+                p -= lr_fn(t - 1) * step
                 a += g * g
-        if t % period == 0:
+        if t <= warmup or (t - warmup) % period == 0:
             for a, d in zip(acc, den, strict=True):
                 d.copy_(a)
             s = 0
     for a, w in zip(got, ps, strict=True):
         torch.testing.assert_close(a, w.detach(), rtol=0, atol=1e-6)
+
+
+def test_local_adaalter_options_say_how_to_fix_them():
+    with pytest.raises(ValueError, match="'constant'.*'per_step'"):
+        LocalAdaAlterCombiner(eps_mode="squared")
+    with pytest.raises(ValueError, match="'decoupled'.*'in_gradient'"):
+        LocalAdaAlterCombiner(weight_decay_mode="adamw")
+    with pytest.raises(ValueError, match="warmup_steps must be >= 0"):
+        LocalAdaAlterCombiner(warmup_steps=-1)
+    with pytest.raises(ValueError, match="initial_accumulator > 0"):
+        LocalAdaAlterCombiner(eps=0.0)
+    LocalAdaAlterCombiner(eps=0.0, initial_accumulator=0.1)  # no division by zero
 
 
 def test_local_adaalter_needs_plain_sgd():

@@ -10,13 +10,15 @@ from .factory import (
     param_groups,
     register_optimizer,
 )
-from .lamb import Lamb
-from .lans import Lans
+from .lamb import Lamb, LambVariant
+from .lans import Lans, LansVariant
 
 __all__ = [
     "BertAdam",
     "Lamb",
+    "LambVariant",
     "Lans",
+    "LansVariant",
     "create_optimizer",
     "list_optimizers",
     "optimizer_accepts",

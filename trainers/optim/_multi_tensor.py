@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import reduce
 from itertools import chain
 from typing import Any
 
@@ -112,15 +113,16 @@ def trust_ratio(
 
     Returns:
         ``(N,)`` ratios; 1 where ``phi(||w||)`` or ``||u||`` is 0 (MXNet checks the clamped
-        norm, so with a positive lower bound an all-zero weight still adapts).
+        norm, so with a positive lower bound an all-zero weight still adapts). As in
+        DeepSpeed, ``trust_clamp`` bounds only a computed ratio: the fallback 1 is not clamped.
     """
     if weight_norm_clamp is not None:
         weight_norm = weight_norm.clamp(*weight_norm_clamp)
     ok = (weight_norm > 0) & (update_norm > 0)
-    ratio = torch.where(ok, weight_norm / update_norm, 1.0)
+    ratio = weight_norm / update_norm
     if trust_clamp is not None:
         ratio = ratio.clamp(*trust_clamp)
-    return ratio
+    return torch.where(ok, ratio, 1.0)
 
 
 def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -176,11 +178,13 @@ class Bucket:
 
 
 class LayerwiseAdaptiveOptimizer(torch.optim.Optimizer):
-    """Base class: lazy fp32 state, bucketing, the global gradient norm, fp32-safe loading.
+    """Base class: lazy fp32 state, bucketing, the gradient-norm clip, fp32-safe loading.
 
     Subclasses put ``max_grad_norm`` and ``adapt_no_wd`` in their defaults and implement
     ``_update(group, bucket, clip)``, where ``clip`` is ``None`` or the 0-d tensor
-    ``max(1, ||g_all|| / max_grad_norm)`` on the bucket's device.
+    ``max(1, (G + clip_eps) / max_grad_norm)`` on the bucket's device: ``G`` is the norm of
+    every gradient of the optimizer together (one global clip), or of the group's gradients
+    where :meth:`_clips_per_group` says so, and ``clip_eps`` is :meth:`_clip_eps`.
     """
 
     # ---- state ------------------------------------------------------------------------------
@@ -254,20 +258,58 @@ class LayerwiseAdaptiveOptimizer(torch.optim.Optimizer):
             out.append(buf)
         return out
 
-    def _global_grad_norm(self, all_buckets: list[Bucket]) -> torch.Tensor:
-        per_bucket = [b.grad_norms() for b in all_buckets]
+    @staticmethod
+    def _grad_norm(buckets: list[Bucket]) -> torch.Tensor:
+        """0-d norm of all gradients of ``buckets`` together (fp32 unless they are fp64)."""
+        per_bucket = [b.grad_norms() for b in buckets]
         device = per_bucket[0].device
-        flat = torch.cat([n.to(device=device, dtype=torch.float32) for n in per_bucket])
+        dtype = reduce(torch.promote_types, (n.dtype for n in per_bucket), torch.float32)
+        flat = torch.cat([n.to(device=device, dtype=dtype) for n in per_bucket])
         return torch.linalg.vector_norm(flat)
 
-    def _max_grad_norm(self) -> float | None:
-        values = {group["max_grad_norm"] for group in self.param_groups}
+    @staticmethod
+    def _max_grad_norm(groups: list[dict[str, Any]]) -> float | None:
+        values = {group["max_grad_norm"] for group in groups}
         if len(values) > 1:
             raise ValueError(
                 f"max_grad_norm is one global clip over all parameters, but the param groups "
                 f"have {sorted(values, key=str)}; give every group the same value"
             )
         return values.pop() if values else None
+
+    def _clips_per_group(self, group: dict[str, Any]) -> bool:
+        """Whether ``group`` is clipped by its own gradient norm (default: the global one)."""
+        return False
+
+    def _clip_eps(self, group: dict[str, Any]) -> float:
+        """The constant added to the gradient norm before it is compared with the bound."""
+        return 0.0
+
+    def _clip_coefficients(
+        self, per_group: list[tuple[dict[str, Any], list[Bucket]]]
+    ) -> list[torch.Tensor | None]:
+        """Each group's ``clip`` argument of :meth:`_update` (see the class docstring)."""
+        all_buckets = [b for _, buckets in per_group for b in buckets]
+        global_groups = [g for g, _ in per_group if not self._clips_per_group(g)]
+        global_max = self._max_grad_norm(global_groups)
+        global_norm = None
+        clips: list[torch.Tensor | None] = []
+        for group, buckets in per_group:
+            if self._clips_per_group(group):
+                max_norm, scope = group["max_grad_norm"], buckets
+            else:
+                max_norm, scope = global_max, all_buckets
+            if max_norm is None or not buckets:
+                clips.append(None)
+                continue
+            if scope is all_buckets:
+                if global_norm is None:
+                    global_norm = self._grad_norm(all_buckets)
+                norm = global_norm
+            else:
+                norm = self._grad_norm(scope)
+            clips.append(torch.clamp((norm + self._clip_eps(group)) / max_norm, min=1.0))
+        return clips
 
     # ---- step -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -281,14 +323,9 @@ class LayerwiseAdaptiveOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        max_norm = self._max_grad_norm()
         per_group = [(group, self._buckets(group)) for group in self.param_groups]
-        all_buckets = [b for _, buckets in per_group for b in buckets]
-        clip = None
-        if max_norm is not None and all_buckets:
-            # max(1, G / max_grad_norm), G the norm of all gradients together
-            clip = torch.clamp(self._global_grad_norm(all_buckets) / max_norm, min=1.0)
-        for group, buckets in per_group:
+        clips = self._clip_coefficients(per_group)
+        for (group, buckets), clip in zip(per_group, clips, strict=True):
             for bucket in buckets:
                 coef = None if clip is None else clip.to(bucket.grads[0].device)
                 self._update(group, bucket, coef)

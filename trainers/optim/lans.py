@@ -1,16 +1,19 @@
 """LANS: LAMB with per-tensor gradient normalisation and a Nesterov-style update.
 
 Paper: Shuai Zheng, Haibin Lin, Sheng Zha, Mu Li, "Accelerated Large Batch Optimization of
-BERT Pretraining in 54 Minutes", 2020, https://arxiv.org/abs/2006.13484. The rule is the
-reference the authors' fused MXNet kernel is tested against; see :class:`Lans` for how
-MXNet's Python ``lans.py`` differs.
+BERT Pretraining in 54 Minutes", 2020, https://arxiv.org/abs/2006.13484. The default rule is
+the authors' ``FusedLANS`` (``csrc/multi_tensor_lans.cu`` of szhengac/apex, the same kernel as
+dmlc/gluon-nlp ``src/gluonnlp/torch/clib/multi_tensor_lans.cu``), which their BERT recipe
+(gluon-nlp ``scripts/pretraining/torch/bert/run_pretraining.py``) runs; options reproduce
+MXNet's fused ``multi_lans_update`` and its sequential ``lans.py`` step (see :class:`Lans`;
+tests/trainers/test_faithful_optim.py checks each against a transcription of its code).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -23,17 +26,25 @@ from ._multi_tensor import (
 )
 from .factory import register_optimizer
 
-__all__ = ["Lans"]
+__all__ = ["Lans", "LansVariant"]
+
+LansVariant = Literal["gluonnlp", "mxnet", "mxnet-sequential"]
+_VARIANTS = ("gluonnlp", "mxnet", "mxnet-sequential")
+
+# torch.nn.utils.clip_grad_norm_, which the authors' recipe calls before FusedLANS.step(),
+# scales by max_norm / (total_norm + 1e-6).
+_CLIP_EPS = 1e-6
 
 
 @register_optimizer("lans")
 class Lans(LayerwiseAdaptiveOptimizer):
     r"""LANS, multi-tensor, with no host synchronisation in :meth:`step`.
 
-    For each parameter tensor :math:`w` with gradient :math:`g` at step :math:`t`:
+    For each parameter tensor :math:`w` with gradient :math:`g` at step :math:`t`
+    (``variant="gluonnlp"``, the authors' ``FusedLANS``):
 
     .. math::
-        \hat g &= g / (\lVert g \rVert + \epsilon) \\
+        \hat g &= g / (\lVert g \rVert + \epsilon) \quad (0 \text{ where } g = 0) \\
         m &\leftarrow \beta_1 m + (1 - \beta_1) \hat g, \qquad
         v \leftarrow \beta_2 v + (1 - \beta_2) \hat g^2, \qquad
         \hat m = \frac{m}{1 - \beta_1^t}, \quad \hat v = \frac{v}{1 - \beta_2^t} \\
@@ -43,27 +54,30 @@ class Lans(LayerwiseAdaptiveOptimizer):
         r_c = \lVert w \rVert / \lVert u_c \rVert \qquad (1 \text{ when a norm is } 0) \\
         w &\leftarrow w - \eta \beta_1 r_m u_m - \eta (1 - \beta_1) r_c u_c
 
-    Both :math:`u_m` and :math:`u_c` use the weight from before the update. The step is
-    invariant to scaling :math:`g` by any :math:`c > 0` (up to :math:`\epsilon`), and with
+    Both :math:`u_m` and :math:`u_c` use the weight from before the update, and every tensor
+    gets both trust ratios, including those without weight decay (``FusedLANS`` adapts every
+    tensor; its weight-decay-0 groups only drop :math:`\lambda w`). The step is invariant to
+    scaling :math:`g` by any :math:`c > 0` (up to :math:`\epsilon`), and with
     :math:`\beta_1 = 0` it is a LAMB step on the normalised gradient.
 
-    ``max_grad_norm`` (the authors' recipe clips the global norm to 1.0 first) only matters
-    through :math:`\epsilon`: clipping by :math:`c` turns the normalisation into
-    :math:`g / (\lVert g \rVert + c \epsilon)`, which is how it is computed here.
+    ``max_grad_norm`` is the authors' recipe's ``torch.nn.utils.clip_grad_norm_(params, 1.0)``
+    before ``FusedLANS.step()``: with :math:`c = \max(1, (G + 10^{-6}) / \text{max\_grad\_norm})`,
+    :math:`G` the norm of all gradients, the clip only matters through :math:`\epsilon`
+    (:math:`\hat g = g / (\lVert g \rVert + c \epsilon)`), which is how it is computed here.
 
-    **MXNet's** ``mxnet.optimizer.LANS`` (``lans.py``) differs from this reference in two
-    ways: it normalises by :math:`\lVert g \rVert` without :math:`\epsilon`, and it applies
-    the two terms one after the other, so the weight decay of :math:`u_c` uses the weight
-    already moved by the :math:`u_m` term (:math:`\lambda (w - \eta \beta_1 r_m u_m)`) while
-    :math:`r_c`'s numerator still uses the old :math:`\lVert w \rVert`. We follow the
-    reference rule the authors' fused kernel (``multi_lans_update``) is tested against: it is
-    what the paper writes, both terms of the Nesterov combination see the same point, and it
-    needs one pass over the weights instead of two. The difference is
-    :math:`O(\eta^2 \lambda)` per step.
+    **MXNet** (``variant="mxnet"``): ``mxnet.optimizer.LANS``'s default fused step, the
+    ``multi_lans_update`` operator (``src/operator/contrib/multi_lans.cc``), is the rule above
+    with :math:`\hat g = g / \lVert g \rVert` (no :math:`\epsilon`; we keep :math:`\hat g = 0`
+    where MXNet gives NaN for an all-zero gradient). MXNet tests that operator against its
+    sequential ``lans.py`` step (``use_fused_step=False``, ``variant="mxnet-sequential"``),
+    which applies the two terms one after the other: the weight decay in :math:`u_c` uses
+    the weight already moved by the :math:`u_m` term, :math:`\lambda (w - \eta \beta_1 r_m
+    u_m)`, while :math:`r_c`'s numerator keeps the old :math:`\lVert w \rVert`; the two
+    differ by :math:`O(\eta^2 \lambda)` per step. MXNet's LANS always bias-corrects (it has
+    no ``bias_correction`` argument; ``FusedLANS`` has one), and a global clip does nothing
+    to either MXNet variant (:math:`g / \lVert g \rVert` is exactly scale-free).
 
-    Param groups with ``"no_wd": True`` get no weight decay and no trust ratio (as LAMB's
-    NVIDIA recipe); ``adapt_no_wd=True`` adapts them too, as MXNet and the authors' recipe
-    do. bf16/fp16 parameters keep fp32 moments and an fp32 master weight.
+    bf16/fp16 parameters keep fp32 moments and an fp32 master weight.
 
     Args:
         params: parameters or param groups.
@@ -71,12 +85,16 @@ class Lans(LayerwiseAdaptiveOptimizer):
         betas: :math:`(\beta_1, \beta_2)`.
         eps: :math:`\epsilon` of the gradient normalisation and of the denominators.
         weight_decay: :math:`\lambda`.
-        bias_correction: divide the moments by :math:`1 - \beta^t` (MXNet's option).
+        bias_correction: divide the moments by :math:`1 - \beta^t` (``FusedLANS``'s option).
         max_grad_norm: global gradient-norm clip before the normalisation (``None``: off).
         trust_clamp: ``(low, high)`` bounds of both trust ratios.
         weight_norm_clamp: ``(low, high)`` bounds of :math:`\lVert w \rVert` (MXNet's
             ``lower_bound``/``upper_bound``).
-        adapt_no_wd: apply the trust ratios to ``no_wd`` groups too.
+        adapt_no_wd: apply the trust ratios to ``no_wd`` groups too (the default, as the
+            authors' kernel and MXNet do); ``False`` gives them plain normalised-Adam steps,
+            as NVIDIA's LAMB recipe does for LAMB.
+        variant: ``"gluonnlp"`` (the authors' ``FusedLANS``), ``"mxnet"`` (MXNet's fused
+            operator) or ``"mxnet-sequential"`` (MXNet's ``lans.py`` step), see above.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -97,8 +115,15 @@ class Lans(LayerwiseAdaptiveOptimizer):
         max_grad_norm: float | None = 1.0,
         trust_clamp: tuple[float | None, float | None] | None = None,
         weight_norm_clamp: tuple[float | None, float | None] | None = None,
-        adapt_no_wd: bool = False,
+        adapt_no_wd: bool = True,
+        variant: LansVariant = "gluonnlp",
     ) -> None:
+        if variant not in _VARIANTS:
+            raise ValueError(
+                f"variant must be 'gluonnlp' (the authors' FusedLANS, the default), 'mxnet' "
+                f"(MXNet's multi_lans_update) or 'mxnet-sequential' (MXNet's lans.py step), "
+                f"got {variant!r}"
+            )
         defaults = common_defaults(
             lr=lr,
             betas=betas,
@@ -109,24 +134,30 @@ class Lans(LayerwiseAdaptiveOptimizer):
             trust_clamp=trust_clamp,
             weight_norm_clamp=weight_norm_clamp,
         )
-        defaults.update(
-            adapt_no_wd=bool(adapt_no_wd),
-        )
+        defaults.update(adapt_no_wd=bool(adapt_no_wd), variant=variant)
         super().__init__(params, defaults)
+
+    def _clip_eps(self, group: dict[str, Any]) -> float:
+        return _CLIP_EPS
 
     def _update(self, group: dict[str, Any], bucket: Bucket, clip: torch.Tensor | None) -> None:
         beta1, beta2 = group["betas"]
         lr, eps = group["lr"], group["eps"]
         wd = self._weight_decay(group)
+        mxnet = group["variant"] != "gluonnlp"
+        sequential = group["variant"] == "mxnet-sequential"
         w, m, v = bucket.weights, bucket.exp_avgs, bucket.exp_avg_sqs
 
-        # g^ = g / (||g|| + eps), with a global clip by c folded in: (g/c) / (||g||/c + eps).
-        grad_norm = bucket.grad_norms() + (eps if clip is None else clip * eps)
+        # g^ = g / (||g|| + eps), with a global clip by c folded in: (g/c) / (||g||/c + eps);
+        # MXNet: g / ||g||, on which a clip has no effect. 0 where the gradient is all zero.
+        grad_norm = bucket.grad_norms()
+        denom = grad_norm if mxnet else grad_norm + (eps if clip is None else clip * eps)
+        inv_norm = torch.where(grad_norm > 0, torch.reciprocal(denom), 0.0)
         g = bucket.grads
         if not bucket.grads_owned:  # the caller's .grad stays as it is
             g = self._scratch(bucket, 0)
             torch._foreach_copy_(g, bucket.grads)
-        torch._foreach_mul_(g, torch.reciprocal(grad_norm).unbind(0))
+        torch._foreach_mul_(g, inv_norm.unbind(0))
 
         torch._foreach_lerp_(m, g, 1.0 - beta1)
         torch._foreach_mul_(v, beta2)
@@ -148,20 +179,25 @@ class Lans(LayerwiseAdaptiveOptimizer):
         update_c = g  # g^ is not needed any more
         torch._foreach_mul_(update_c, update_m)
         torch._foreach_mul_(update_m, m)
+
+        adapts = self._adapts(group, decays=True)
+        bounds = dict(
+            weight_norm_clamp=group["weight_norm_clamp"], trust_clamp=group["trust_clamp"]
+        )
+        weight_norm = norms(w) if adapts else None  # ||w|| before the step, for both terms
+        like = dict(device=grad_norm.device, dtype=grad_norm.dtype)  # fp64 for fp64 params
+        coef_m = torch.full((len(w),), -lr * beta1 * sm, **like)
+        coef_c = torch.full((len(w),), -lr * (1.0 - beta1) * sc, **like)
         if wd != 0.0:
             torch._foreach_add_(update_m, w, alpha=wd / sm)
+        if adapts:
+            coef_m.mul_(trust_ratio(weight_norm, norms(update_m).mul_(sm), **bounds))
+        if sequential:  # MXNet's lans.py: u_c's weight decay sees the weight moved by u_m
+            torch._foreach_addcmul_(w, update_m, coef_m.unbind(0))
+        if wd != 0.0:
             torch._foreach_add_(update_c, w, alpha=wd / sc)
-
-        coef_m = torch.full((len(w),), -lr * beta1 * sm, device=grad_norm.device)
-        coef_c = torch.full((len(w),), -lr * (1.0 - beta1) * sc, device=grad_norm.device)
-        if self._adapts(group, decays=True):
-            weight_norm = norms(w)
-            bounds = dict(
-                weight_norm_clamp=group["weight_norm_clamp"], trust_clamp=group["trust_clamp"]
-            )
-            norm_m = norms(update_m).mul_(sm)
-            norm_c = norms(update_c).mul_(sc)
-            coef_m.mul_(trust_ratio(weight_norm, norm_m, **bounds))
-            coef_c.mul_(trust_ratio(weight_norm, norm_c, **bounds))
-        torch._foreach_addcmul_(w, update_m, coef_m.unbind(0))
+        if adapts:
+            coef_c.mul_(trust_ratio(weight_norm, norms(update_c).mul_(sc), **bounds))
+        if not sequential:
+            torch._foreach_addcmul_(w, update_m, coef_m.unbind(0))
         torch._foreach_addcmul_(w, update_c, coef_c.unbind(0))

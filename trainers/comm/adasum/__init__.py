@@ -13,8 +13,9 @@ flattened model):
 
 which is ``a + b`` for orthogonal vectors, the mean for parallel ones (``b = k a``, any
 ``k != 0``), ``b`` when ``a = 0``, and symmetric in ``a`` and ``b``. The dot product and squared
-norms accumulate in float64; a side whose squared norm is below ``eps`` (Horovod: ``1e-8``)
-keeps coefficient 1, so a zero tensor contributes nothing and never divides by zero.
+norms accumulate in float64; a side whose squared norm is below ``eps`` (Horovod's
+``sqrt(DBL_MIN)``, about 1.5e-154) keeps coefficient 1, so a zero tensor contributes nothing
+and never divides by zero.
 
 Across ``N`` ranks the result is a binary tree: ranks (0, 1), (2, 3), ... combine, then those
 results pairwise, and so on. :func:`adasum_allreduce_` computes it with Horovod's
@@ -52,12 +53,14 @@ bf16 travel as they are and combine in fp32 (dots and norms in fp64).
 Two ways to use it with the :class:`~trainers.Trainer`, both through
 :class:`AdasumCombiner` (``--grad-combine adasum``, ``mode`` below):
 
-* ``delta`` (Horovod's ``DistributedOptimizer(op=Adasum)``): every rank steps its own
-  optimizer on its local gradients from the common weights, the updates ``w_new - w_start``
-  are Adasum-combined and applied. For adaptive optimizers (Adam, AdamW, LAMB, LANS), whose
-  update is not linear in the gradient.
-* ``gradient``: the gradients are Adasum-combined, then one ordinary step. For plain SGD /
-  Nesterov momentum. ``auto`` (the default) picks by the optimizer.
+* ``delta`` (the default; Horovod's ``DistributedOptimizer(op=Adasum)``, for every
+  optimizer): every rank steps its own optimizer on its local gradients from the common
+  weights, the updates ``w_new - w_start`` are Adasum-combined and applied.
+* ``gradient``: the gradients are Adasum-combined, then one ordinary step. Not Horovod's
+  optimizer path; it equals delta mode only for plain SGD without momentum and without
+  weight decay (Adasum is scale-equivariant, not additive), and differs with momentum,
+  weight decay, Nesterov or any adaptive optimizer. ``auto`` picks gradient mode for
+  ``torch.optim.SGD`` and delta mode otherwise (this library's earlier default).
 
 With one rank both are exactly the plain optimizer. Use the single-worker learning rate: no
 linear scaling with the number of workers (Adasum of parallel updates is their mean, of

@@ -18,15 +18,18 @@ from .rule import EPS
 
 __all__ = ["ADASUM_MODES", "AdasumCombiner", "AdasumOptions", "resolve_adasum_mode"]
 
-ADASUM_MODES = ("auto", "delta", "gradient")
+ADASUM_MODES = ("delta", "gradient", "auto")
 
 
 def resolve_adasum_mode(mode: str, optimizer: torch.optim.Optimizer) -> str:
     """``"delta"`` or ``"gradient"`` (``auto``: by the optimizer).
 
-    ``auto`` picks gradient mode for ``torch.optim.SGD`` (plain SGD and Nesterov momentum:
-    ``--optimizer sgd / nag``) and delta mode for every other optimizer (Adam, AdamW, LAMB,
-    LANS, ...: their update is not linear in the gradient, so Horovod combines updates).
+    ``delta`` (the default) is Horovod's ``DistributedOptimizer(op=Adasum)`` for every
+    optimizer. ``auto`` (an explicit choice; this library's earlier default) picks gradient
+    mode for ``torch.optim.SGD`` (``--optimizer sgd / nag``) and delta mode for every other
+    optimizer. Gradient mode equals delta mode only for plain SGD without momentum and
+    without weight decay; with momentum (NAG included) or weight decay the two differ,
+    Adasum not being additive.
     """
     if mode not in ADASUM_MODES:
         raise ValueError(f"adasum mode {mode!r}: choose one of {', '.join(ADASUM_MODES)}")
@@ -38,9 +41,10 @@ def resolve_adasum_mode(mode: str, optimizer: torch.optim.Optimizer) -> str:
 @dataclass(frozen=True)
 class AdasumOptions:
     mode: str = option(
-        "auto",
-        "combine optimizer updates (delta) or gradients (gradient); auto: gradient for "
-        "sgd / nag, delta for adaptive optimizers (adam, adamw, lamb, lans, ...)",
+        "delta",
+        "combine the optimizer's updates (delta, Horovod's DistributedOptimizer(op=Adasum)) "
+        "or the gradients before one ordinary step (gradient); auto: gradient for sgd / nag, "
+        "delta otherwise",
         flag="--adasum-mode",
         choices=ADASUM_MODES,
     )
@@ -49,7 +53,9 @@ class AdasumOptions:
         "average inside each node, Adasum across nodes (needs >= 2 nodes)",
         flag="--adasum-hierarchical",
     )
-    eps: float = option(EPS, "guard on the squared norms (Horovod's)", flag="--adasum-eps")
+    eps: float = option(
+        EPS, "guard on the squared norms (Horovod's sqrt(DBL_MIN))", flag="--adasum-eps"
+    )
     bucket_cap_mb: float = option(
         DEFAULT_BUCKET_CAP_MB, "fusion bucket size in MB (Horovod's)", flag="--adasum-bucket-cap-mb"
     )
@@ -68,16 +74,17 @@ class AdasumCombiner(GradCombiner):
     """Adasum across ranks; the bare module starts from rank 0's weights and buffers.
 
     **Gradient mode**: ``p.grad`` is Adasum-combined per tensor, then one ordinary optimizer
-    step. For plain SGD / Nesterov momentum. Gradients still carry the fp16 loss scale when
-    they are combined; the guard ``eps`` is scaled with it (``eps * scale**2``), so fp16 and
+    step (not Horovod's optimizer path: equal to delta mode only for plain SGD without
+    momentum and weight decay). Gradients still carry the fp16 loss scale when they are
+    combined; the guard ``eps`` is scaled with it (``eps * scale**2``), so fp16 and
     fp32 runs combine alike, and a non-finite gradient on any rank reaches every rank, which
     then skip the step together. A parameter without a gradient on some ranks counts as zero
     there; one without a gradient anywhere keeps ``grad=None``.
 
-    **Delta mode** (Horovod's ``DistributedOptimizer(op=Adasum)``): every rank runs
+    **Delta mode** (the default; Horovod's ``DistributedOptimizer(op=Adasum)``): every rank runs
     ``optimizer.step()`` (``scaler.step`` under fp16) on its own gradients from the same
     weights ``w_start``; the updates ``w_new - w_start`` are Adasum-combined per tensor and
-    every rank sets ``w = w_start + combined``. For adaptive optimizers. Optimizer states
+    every rank sets ``w = w_start + combined``, for every optimizer as Horovod. Optimizer states
     (moments) stay per rank, as in Horovod, and are saved per rank in checkpoints. Gradient
     clipping applies to local gradients. A rank whose fp16 step is skipped (overflow)
     contributes a zero update, which Adasum ignores.

@@ -14,12 +14,17 @@ Example:
 
 from __future__ import annotations
 
+import math
+import sys
+
 import torch
 from torch import Tensor
 
 __all__ = ["EPS", "adasum_pair"]
 
-EPS = 1e-8  # Horovod's guard on the squared norms
+# Horovod's guard on the squared norms: sqrt(DBL_MIN) ~ 1.49e-154
+# (horovod/common/ops/adasum/adasum.h, FusedPairwiseReduceWithComm).
+EPS = math.sqrt(sys.float_info.min)
 
 
 def _coefficients(dot: Tensor, na: Tensor, nb: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -36,9 +41,10 @@ def adasum_pair(a: Tensor, b: Tensor, *, eps: float = EPS) -> Tensor:
     Args:
         a: a floating-point tensor.
         b: a tensor of the same shape and dtype.
-        eps: a side whose squared norm is below ``eps`` gets coefficient 1 (Horovod: 1e-8).
-            The rule is scale-equivariant except through this guard; ``eps=0`` makes it exact
-            at every magnitude (coefficient 1 only for an exactly zero side).
+        eps: a side whose squared norm is below ``eps`` gets coefficient 1 (Horovod:
+            ``sqrt(DBL_MIN)``, about 1.5e-154, so in practice only an exactly zero side). The
+            rule is scale-equivariant except through this guard; ``eps=0`` makes it exact at
+            every magnitude (coefficient 1 only for an exactly zero side).
 
     Returns:
         A new tensor of ``a``'s dtype. Dot product, norms and the linear combination are
