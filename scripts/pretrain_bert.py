@@ -473,29 +473,17 @@ def _schedule(args: argparse.Namespace, phase: int, steps: int) -> LRSchedule:
     base_lr = getattr(args, f"phase{phase}_lr")
     warmup = getattr(args, f"phase{phase}_warmup_ratio")
     if args.lr_schedule == "nvidia_poly_warmup":
-        return create_schedule(
-            "nvidia_poly_warmup",
-            base_lr=base_lr,
-            total_steps=steps,
-            warmup_ratio=warmup,
-            power=args.decay_power,
-        )
-    if args.lr_schedule == "gluonnlp":
-        return create_schedule(
-            "warmup_const_poly",
-            base_lr=base_lr,
-            total_steps=steps,
-            warmup_ratio=warmup,
-            constant_ratio=args.const_ratio,
-            power=args.decay_power,
-        )
+        shape: dict[str, float] = {"warmup_ratio": warmup}
+    elif args.lr_schedule == "gluonnlp":  # gluon-nlp's unrounded fractions
+        shape = {"warmup_ratio": warmup, "constant_ratio": args.const_ratio}
+    else:  # whole steps, rounded from the fractions
+        shape = {
+            "warmup_steps": round(steps * warmup),
+            "constant_steps": round(steps * args.const_ratio),
+        }
+    mode = "nvidia_poly_warmup" if args.lr_schedule == "nvidia_poly_warmup" else "warmup_const_poly"
     return create_schedule(
-        "warmup_const_poly",
-        base_lr=base_lr,
-        total_steps=steps,
-        warmup_steps=round(steps * warmup),
-        constant_steps=round(steps * args.const_ratio),
-        power=args.decay_power,
+        mode, base_lr=base_lr, total_steps=steps, power=args.decay_power, **shape
     )
 
 
