@@ -249,12 +249,12 @@ class BertSelfAttention(nn.Module):
         self.dropout_p = config.attention_dropout
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        batch, length, width = x.shape
+        batch, length, _ = x.shape
         qkv = self.qkv(x).view(batch, length, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, T, D)
         dropout = self.dropout_p if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
-        y = y.transpose(1, 2).reshape(batch, length, width)  # (B, T, C)
+        y = y.transpose(1, 2).reshape(batch, length, -1)  # (B, T, C); C / tp when tensor-parallel
         return self.proj(y)
 
 

@@ -13,6 +13,12 @@ Low-precision parameters (bf16/fp16) get fp32 moments and an fp32 master copy of
 is the master rounded to its dtype. A parameter changed from outside the optimizer (a
 checkpoint loaded into the model, weight averaging) is picked up again: wherever the
 parameter no longer equals the rounded master, the master takes the parameter's value.
+
+Tensor-parallel parameters (``DTensor``s sharded by ``trainers.parallel``) are updated on their
+local shards, and every per-tensor norm is the norm of the *whole* tensor: each bucket holds
+parameters of one placement, and a sharded bucket sums its shards' squared norms over the
+mesh in one all-reduce per norm vector (:meth:`Bucket.norms`). The moments are kept as local
+shards. A parameter that is a DTensor but not sharded (``Replicate``) is its local copy.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from itertools import chain
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 __all__ = [
     "Bucket",
@@ -162,12 +170,22 @@ class Bucket:
     exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
     low_precision: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     grads_owned: bool = False
+    group: Any = None  # the process group the tensors are sharded over (None: whole tensors)
     _grad_norms: torch.Tensor | None = None
+
+    def norms(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """``(N,)`` norms of whole tensors: of ``tensors``, or for a sharded bucket of the
+        tensors its shards ``tensors`` belong to (one all-reduce over the shards' group)."""
+        if self.group is None:
+            return norms(tensors)
+        squares = norms(tensors).square_()
+        dist.all_reduce(squares, group=self.group)
+        return squares.sqrt_()
 
     def grad_norms(self) -> torch.Tensor:
         """``(N,)`` norms of ``grads`` as they were when the step began (computed once)."""
         if self._grad_norms is None:
-            self._grad_norms = norms(self.grads)
+            self._grad_norms = self.norms(self.grads)
         return self._grad_norms
 
     def write_back(self) -> None:
@@ -175,6 +193,31 @@ class Bucket:
         if self.low_precision:
             params, masters = zip(*self.low_precision, strict=True)
             torch._foreach_copy_(list(params), list(masters))
+
+
+def _local(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """``(tensor, grad, group)`` to update: a DTensor's local shard, its gradient's, and the
+    process group it is sharded over (None for plain or replicated tensors)."""
+    if not isinstance(param, DTensor):
+        return param, param.grad, None
+    grad = param.grad
+    if not isinstance(grad, DTensor) or grad.placements != param.placements:
+        raise RuntimeError(
+            f"a DTensor parameter with placements {param.placements} has a gradient laid out "
+            f"as {getattr(grad, 'placements', 'a plain tensor')}; the layer-wise optimizers "
+            "update shards in place and need the gradient sharded like its parameter"
+        )
+    mesh = param.device_mesh
+    sharded = [i for i, pl in enumerate(param.placements) if isinstance(pl, Shard)]
+    if len(sharded) > 1:
+        raise RuntimeError(
+            f"a DTensor parameter sharded over {len(sharded)} mesh dimensions "
+            f"({param.placements}); the layer-wise optimizers support one"
+        )
+    if any(not isinstance(pl, Shard) and not pl.is_replicate() for pl in param.placements):
+        raise RuntimeError(f"unsupported DTensor parameter placements {param.placements}")
+    group = mesh.get_group(sharded[0]) if sharded else None
+    return param.to_local(), grad.to_local(), group
 
 
 class LayerwiseAdaptiveOptimizer(torch.optim.Optimizer):
@@ -189,11 +232,12 @@ class LayerwiseAdaptiveOptimizer(torch.optim.Optimizer):
 
     # ---- state ------------------------------------------------------------------------------
     def _buckets(self, group: dict[str, Any]) -> list[Bucket]:
-        buckets: dict[tuple[torch.device, torch.dtype, int], Bucket] = {}
-        for p in group["params"]:
-            if p.grad is None:
+        buckets: dict[tuple[torch.device, torch.dtype, int, Any], Bucket] = {}
+        for param in group["params"]:
+            if param.grad is None:
                 continue
-            if p.grad.is_sparse:
+            p, grad, shards = _local(param)
+            if grad.is_sparse:
                 raise RuntimeError(
                     f"{type(self).__name__} does not support sparse gradients; use dense "
                     "embeddings (sparse=False) or torch.optim.SparseAdam for them"
@@ -203,7 +247,7 @@ class LayerwiseAdaptiveOptimizer(torch.optim.Optimizer):
                     f"{type(self).__name__} does not support complex parameters; optimize "
                     "torch.view_as_real(p) instead"
                 )
-            state = self.state[p]
+            state = self.state[param]
             low = p.dtype in _LOW_PRECISION
             compute = torch.float32 if low else p.dtype
             if len(state) == 0:
@@ -214,10 +258,10 @@ class LayerwiseAdaptiveOptimizer(torch.optim.Optimizer):
                 if low:
                     state["master_param"] = p.detach().to(compute, copy=True)
             state["step"] += 1
-            key = (p.device, compute, state["step"])
+            key = (p.device, compute, state["step"], shards)
             bucket = buckets.get(key)
             if bucket is None:
-                bucket = buckets[key] = Bucket(step=state["step"], grads_owned=low)
+                bucket = buckets[key] = Bucket(step=state["step"], grads_owned=low, group=shards)
             bucket.params.append(p)
             bucket.exp_avgs.append(state["exp_avg"])
             bucket.exp_avg_sqs.append(state["exp_avg_sq"])
@@ -226,11 +270,11 @@ class LayerwiseAdaptiveOptimizer(torch.optim.Optimizer):
                 # Follow writes made to the parameter outside the optimizer.
                 master.copy_(torch.where(p == master.to(p.dtype), master, p.to(compute)))
                 bucket.weights.append(master)
-                bucket.grads.append(p.grad.to(compute))
+                bucket.grads.append(grad.to(compute))
                 bucket.low_precision.append((p, master))
             else:
                 bucket.weights.append(p)
-                bucket.grads.append(p.grad)
+                bucket.grads.append(grad)
         return list(buckets.values())
 
     def _scratch(self, bucket: Bucket, slot: int) -> list[torch.Tensor]:

@@ -20,7 +20,6 @@ from ._multi_tensor import (
     Bucket,
     LayerwiseAdaptiveOptimizer,
     common_defaults,
-    norms,
     trust_ratio,
 )
 from .factory import register_optimizer
@@ -201,8 +200,8 @@ class Lamb(LayerwiseAdaptiveOptimizer):
             torch._foreach_add_(update, w, alpha=wd if deepspeed else wd / s)
 
         if deepspeed or self._adapts(group, decays=wd != 0.0 or group["always_adapt"]):
-            weight_norm = norms(w)
-            update_norm = norms(update)
+            weight_norm = bucket.norms(w)
+            update_norm = bucket.norms(update)
             if not deepspeed:
                 update_norm.mul_(s)
             ratio = trust_ratio(

@@ -21,7 +21,6 @@ from ._multi_tensor import (
     Bucket,
     LayerwiseAdaptiveOptimizer,
     common_defaults,
-    norms,
     trust_ratio,
 )
 from .factory import register_optimizer
@@ -184,20 +183,20 @@ class Lans(LayerwiseAdaptiveOptimizer):
         bounds = dict(
             weight_norm_clamp=group["weight_norm_clamp"], trust_clamp=group["trust_clamp"]
         )
-        weight_norm = norms(w) if adapts else None  # ||w|| before the step, for both terms
+        weight_norm = bucket.norms(w) if adapts else None  # ||w|| before the step, for both terms
         like = dict(device=grad_norm.device, dtype=grad_norm.dtype)  # fp64 for fp64 params
         coef_m = torch.full((len(w),), -lr * beta1 * sm, **like)
         coef_c = torch.full((len(w),), -lr * (1.0 - beta1) * sc, **like)
         if wd != 0.0:
             torch._foreach_add_(update_m, w, alpha=wd / sm)
         if adapts:
-            coef_m.mul_(trust_ratio(weight_norm, norms(update_m).mul_(sm), **bounds))
+            coef_m.mul_(trust_ratio(weight_norm, bucket.norms(update_m).mul_(sm), **bounds))
         if sequential:  # MXNet's lans.py: u_c's weight decay sees the weight moved by u_m
             torch._foreach_addcmul_(w, update_m, coef_m.unbind(0))
         if wd != 0.0:
             torch._foreach_add_(update_c, w, alpha=wd / sc)
         if adapts:
-            coef_c.mul_(trust_ratio(weight_norm, norms(update_c).mul_(sc), **bounds))
+            coef_c.mul_(trust_ratio(weight_norm, bucket.norms(update_c).mul_(sc), **bounds))
         if not sequential:
             torch._foreach_addcmul_(w, update_m, coef_m.unbind(0))
         torch._foreach_addcmul_(w, update_c, coef_c.unbind(0))

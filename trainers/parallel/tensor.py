@@ -1,0 +1,239 @@
+"""Tensor parallelism for the zoo's BERTs on ``torch.distributed.tensor`` (Megatron's layout).
+
+Every Transformer layer is split over the ``tp`` dimension of a device mesh:
+
+- the fused query/key/value projection and the first feed-forward linear are column-parallel
+  (each rank computes the heads, or the hidden units, of its slice; no communication forward),
+- the attention output and the second feed-forward linear are row-parallel (each rank
+  multiplies its slice; one all-reduce sums the partial results),
+
+so a column -> row pair costs one all-reduce forward and one backward (the backward one sums
+the input gradient of the column-parallel linear). Attention runs on ``num_heads / tp`` local
+heads. The embeddings, LayerNorms, the pooler and the task heads (span QA, masked-LM, NSP,
+sequence classification) are replicated: every rank holds them whole, computes them on the
+same replicated activations, and so gets the same gradients without communication. The
+word-embedding matrix stays whole because the masked-LM head is tied to it (vocab-sharding it
+would need a vocab-parallel cross entropy); for the zoo's models it is under a quarter of the
+parameters.
+
+The fused ``qkv`` weight is stored ``[q; k; v]`` (each ``C`` rows, head-major). A contiguous
+row shard of that would give rank 0 all of ``q`` and part of ``k``, so before sharding its rows
+are regrouped rank-major, ``[q_0; k_0; v_0; q_1; k_1; v_1; ...]`` (``q_r``: rank ``r``'s heads),
+and each rank's contiguous shard is then exactly its heads' ``q, k, v``. ``state_dict()``
+undoes the regrouping and gathers every sharded tensor, so a tensor-parallel model saves (and
+loads) the ordinary unsharded format, the same file a single-process model reads; calling it is
+therefore collective over the ``tp`` group, like FSDP's full state dict.
+
+Usage::
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = parallelize_bert(get_model("minilm_l6_h384_uncased"), mesh["tp"])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+__all__ = [
+    "bert_layers",
+    "is_tensor_parallel",
+    "parallelize_bert",
+    "qkv_permutation",
+    "sharded_parameter_names",
+    "tensor_parallel_degree",
+]
+
+_TP_ATTR = "_modelzoo_tensor_parallel"  # set on the root module: the tp mesh
+
+
+def bert_layers(model: nn.Module) -> list[nn.Module]:
+    """The ``BertLayer`` modules of a zoo BERT (``BertModel`` or a task model around one)."""
+    from modelzoo.nlp.bert import BertLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BertLayer)]
+    if not layers:
+        raise TypeError(
+            f"parallelize_bert: {type(model).__name__} holds no modelzoo BertLayer; tensor "
+            "parallelism is laid out for the zoo's BERTs (modelzoo.nlp.bert)"
+        )
+    return layers
+
+
+def qkv_permutation(num_heads: int, head_dim: int, tp: int) -> torch.Tensor:
+    """Row order that regroups a fused ``[q; k; v]`` projection rank-major.
+
+    ``weight[perm]`` lists, for each rank ``r`` in turn, the rows of ``q``, ``k`` and ``v``
+    for heads ``r * num_heads / tp`` to ``(r + 1) * num_heads / tp - 1``. The inverse is
+    ``torch.argsort(perm)``.
+    """
+    if num_heads % tp:
+        raise ValueError(
+            f"tensor parallelism: {num_heads} attention heads do not divide over "
+            f"--tensor-parallel {tp}; use a degree that divides the head count"
+        )
+    width = num_heads * head_dim
+    local = (num_heads // tp) * head_dim
+    rows = [
+        torch.arange(part * width + r * local, part * width + (r + 1) * local)
+        for r in range(tp)
+        for part in range(3)
+    ]
+    return torch.cat(rows)
+
+
+def _linear_styles(layer: nn.Module) -> dict[str, Any]:
+    return {
+        "attn.qkv": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(),
+        "fc1": ColwiseParallel(),
+        "fc2": RowwiseParallel(),
+    }
+
+
+def _check_divisible(layer: nn.Module, tp: int) -> None:
+    inner = layer.fc1.out_features
+    if inner % tp:
+        raise ValueError(
+            f"tensor parallelism: intermediate size {inner} does not divide over "
+            f"--tensor-parallel {tp}"
+        )
+
+
+def _broadcast_replicated(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Make every plain (replicated) parameter and buffer equal to the tp group's first
+    rank's, so that ranks that initialised differently still hold one model."""
+    group = mesh.get_group()
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            if not isinstance(tensor, DTensor):
+                dist.broadcast(tensor.data, src=src, group=group)
+
+
+def parallelize_bert(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Split a zoo BERT's layers over the 1-D mesh ``mesh`` (in place; returns ``model``).
+
+    Args:
+        model: ``BertModel``, ``BertForQuestionAnswering``, ``BertForPretraining`` or
+            ``BertForSequenceClassification`` with the same weights on every rank of ``mesh``
+            (the sharded tensors are scattered from the mesh's first rank, the replicated ones
+            broadcast from it).
+        mesh: the tensor-parallel mesh (``mesh["tp"]`` of a ``(dp, tp)`` mesh), 1-D.
+
+    Raises:
+        ValueError: the head count or the intermediate size does not divide by the degree,
+            or the mesh is not 1-D.
+        TypeError: ``model`` holds no ``BertLayer``.
+    """
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"parallelize_bert: expected the 1-D tensor-parallel mesh (mesh['tp']), got a "
+            f"{mesh.ndim}-D mesh {mesh.mesh_dim_names}"
+        )
+    if getattr(model, _TP_ATTR, None) is not None:
+        raise ValueError("parallelize_bert: the model is already tensor-parallel")
+    tp = mesh.size()
+    layers = bert_layers(model)
+    for layer in layers:
+        attn = layer.attn
+        qkv_permutation(attn.num_heads, attn.head_dim, tp)  # validates the head count
+        _check_divisible(layer, tp)
+    for layer in layers:
+        attn = layer.attn
+        perm = qkv_permutation(attn.num_heads, attn.head_dim, tp)
+        with torch.no_grad():
+            attn.qkv.weight.copy_(attn.qkv.weight[perm])
+            if attn.qkv.bias is not None:
+                attn.qkv.bias.copy_(attn.qkv.bias[perm])
+        parallelize_module(layer, mesh, _linear_styles(layer))
+        attn.num_heads //= tp
+        attn._tp_perm = perm  # read by the state-dict hooks
+    setattr(model, _TP_ATTR, mesh)
+    _broadcast_replicated(model, mesh)
+    model.register_state_dict_post_hook(_full_state_dict_hook)
+    model.register_load_state_dict_pre_hook(_shard_state_dict_hook)
+    return model
+
+
+def is_tensor_parallel(model: nn.Module) -> bool:
+    """Whether ``parallelize_bert`` laid ``model`` out."""
+    return getattr(model, _TP_ATTR, None) is not None
+
+
+def tensor_parallel_degree(model: nn.Module) -> int:
+    """The tp degree of a model laid out by ``parallelize_bert`` (1 when it is not)."""
+    mesh = getattr(model, _TP_ATTR, None)
+    return 1 if mesh is None else mesh.size()
+
+
+def sharded_parameter_names(model: nn.Module) -> list[str]:
+    """Names of the parameters split over the tp mesh (the row-parallel biases are DTensors
+    too, but replicated: every rank holds them whole)."""
+    return [
+        n
+        for n, p in model.named_parameters()
+        if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
+    ]
+
+
+def _qkv_keys(model: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, module in model.named_modules():
+        perm = getattr(module, "_tp_perm", None)
+        if perm is None:
+            continue
+        for leaf in ("weight", "bias"):
+            yield f"{prefix}{name}.qkv.{leaf}", perm
+
+
+def _full_state_dict_hook(
+    model: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """``state_dict()`` -> the unsharded format: gather DTensors, undo the qkv regrouping."""
+    for key, value in list(state_dict.items()):
+        if isinstance(value, DTensor):
+            state_dict[key] = value.full_tensor().detach()
+    for key, perm in _qkv_keys(model, prefix):
+        if key in state_dict:
+            state_dict[key] = state_dict[key][torch.argsort(perm)]
+
+
+def _shard_state_dict_hook(
+    model: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    """``load_state_dict(unsharded)``: regroup qkv, keep each rank's shard of split tensors."""
+    perms = dict(_qkv_keys(model, prefix))
+    params = dict(model.named_parameters(prefix=prefix.rstrip(".") if prefix else ""))
+    for key, value in list(state_dict.items()):
+        target = params.get(key)
+        if not isinstance(target, DTensor) or isinstance(value, DTensor):
+            continue
+        if key in perms:
+            value = value[perms[key]]
+        if value.shape != target.shape:
+            raise ValueError(
+                f"load_state_dict: {key} has shape {tuple(value.shape)}, the model's "
+                f"(unsharded) {tuple(target.shape)}"
+            )
+        state_dict[key] = distribute_tensor(
+            value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None
+        )
+
+
+def shard_dim(param: DTensor) -> int | None:
+    """The tensor dimension a tp-sharded parameter is split on (None: replicated)."""
+    for placement in param.placements:
+        if isinstance(placement, Shard):
+            return placement.dim
+    return None
