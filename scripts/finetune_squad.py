@@ -41,7 +41,7 @@ from torch.utils.data import Dataset
 
 import modelzoo
 from modelzoo.convert.bert import load_bert_checkpoint, save_hf_directory
-from modelzoo.nlp.bert import BertForQuestionAnswering, bert_from_checkpoint
+from modelzoo.nlp.bert import BertForQuestionAnswering, bert_from_checkpoint, set_dropout
 from modelzoo.nlp.squad import (
     SquadExample,
     SquadFeature,
@@ -68,7 +68,9 @@ from trainers.cli import (
     add_export_args,
     add_gradient_checkpointing_args,
     add_optimizer_args,
+    add_tensor_parallel_args,
     add_tensorboard_args,
+    apply_tensor_parallel,
     build_combiner,
     build_ema,
     build_optimizer,
@@ -76,6 +78,7 @@ from trainers.cli import (
     run_configs,
 )
 from trainers.logs import gluonnlp_step_line
+from trainers.parallel import unsplit_model
 from trainers.schedules import create_schedule
 
 # What a newcomer gets with no data flags: MiniLM on the built-in stdlib set, CPU-sized.
@@ -124,6 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m = p.add_argument_group("model")
     m.add_argument("--bert-model", type=str, default=None, help="a BERT from list_models()")
     m.add_argument(
+        "--dropout",
+        type=float,
+        default=None,
+        help="hidden and attention dropout (default: the model's own, 0.1 for the zoo's BERTs)",
+    )
+    m.add_argument(
         "--bert-weights",
         type=str,
         default=None,
@@ -149,6 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_optimizer_args(p, default="adamw")
     p.set_defaults(wd=0.01, no_wd=True)  # BERT: decay 0.01, none on LayerNorm and biases
     add_distributed_args(p)
+    add_tensor_parallel_args(p)
     add_ema_args(p)
     add_gradient_checkpointing_args(p)
     add_tensorboard_args(p)
@@ -412,6 +422,8 @@ def build_model(args: argparse.Namespace, logger: RunLogger, progress: bool) -> 
         logger.info(f"loaded fine-tuned parameters {path}")
     if not isinstance(model, BertForQuestionAnswering):
         raise SystemExit(f"--bert-model {args.bert_model} is not a BERT")
+    if args.dropout is not None:
+        set_dropout(model, args.dropout)
     return model
 
 
@@ -480,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)  # the same span-classifier init on every rank and rerun
     model = build_model(args, logger, env.is_main)
     model.bert.set_gradient_checkpointing(args.gradient_checkpointing)
+    world = env  # the whole world; env becomes its data-parallel view with --tensor-parallel
+    model, env = apply_tensor_parallel(args, world, model)
     optimizer = build_optimizer(args, model)
     combiner = build_combiner(args, env)
     global_batch = args.batch_size * args.accumulate * combiner.data_parts(env.world_size)
@@ -540,8 +554,9 @@ def main(argv: list[str] | None = None) -> int:
         metrics = trainer.fit(
             TrainFeatures(train_features), eval_dataset=eval_set, collate_fn=collate
         )
+        saved = unsplit_model(trainer.model)  # gathers a tensor-parallel model's shards
         if env.is_main:
-            path = save_hf_directory(trainer.model, tokenizer, output_dir, replace=False)
+            path = save_hf_directory(saved, tokenizer, output_dir, replace=False)
             logger.info(f"saved {path / 'model.safetensors'} (a Hugging Face directory)")
     for name, data in (("train", train_set), ("dev", dev_set)):
         if data is not None and data.skipped:
@@ -554,17 +569,19 @@ def main(argv: list[str] | None = None) -> int:
         )
     if env.is_main and ema is not None and "ema_f1" in ema.last_metrics:
         logger.info(f"Held-out F1 of the EMA {ema.last_metrics['ema_f1']:.2f} ({output_dir}/ema)")
-    if env.is_main and args.export_dir:
-        path = export_model(args, trainer, ema, tokenizer, command)
+    exported = unsplit_model(trainer.model) if args.export_dir else None
+    if env.is_main and exported is not None:
+        path = export_model(args, trainer, exported, ema, tokenizer, command)
         logger.info(f"exported {path} (modelzoo.pipeline('question-answering', DIR) loads it)")
     logger.close()
-    env.destroy()
+    world.destroy()
     return 0 if all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)) else 1
 
 
 def export_model(
     args: argparse.Namespace,
     trainer: Trainer,
+    model: torch.nn.Module,
     ema: Any,
     tokenizer: BertTokenizer,
     command: list[str],
@@ -576,7 +593,7 @@ def export_model(
         "max_seq_length", "doc_stride", "max_query_length", "max_answer_length", "n_best_size",
         "version_2", "null_score_diff_threshold")}  # fmt: skip
     return modelzoo.save_artifact(
-        args.export_dir, trainer.model, model_name=args.bert_model, model_kwargs={"head": "qa"},
+        args.export_dir, model, model_name=args.bert_model, model_kwargs={"head": "qa"},
         task="question-answering", preprocessing=squad, tokenizer=tokenizer, metrics=metrics,
         source=export_source(args, command, weights="ema" if ema else "model"),
         state_dict=ema.state_dict_for_export() if ema is not None else None,

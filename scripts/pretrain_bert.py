@@ -68,6 +68,7 @@ from trainers.cli import (
     add_export_args,
     add_gradient_checkpointing_args,
     add_optimizer_args,
+    add_tensor_parallel_args,
     add_tensorboard_args,
     build_combiner,
     build_elastic,
@@ -77,11 +78,13 @@ from trainers.cli import (
     export_source,
     optimizer_config,
     run_configs,
+    tensor_parallel_mesh,
 )
 from trainers.config import ElasticConfig
 from trainers.ema import ModelEMA
 from trainers.logs import PhasedRunLogger, ratio_metrics
 from trainers.optim import create_optimizer
+from trainers.parallel import parallelize_bert, unsplit_model
 from trainers.schedules import LRSchedule, create_schedule
 
 # --lr-schedule: the default rounds the phases to whole steps (the published runs use it)
@@ -134,6 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_optimizer_args(p, default="lans")
     p.set_defaults(wd=0.01, no_wd=True, epsilon=1e-6)
     add_distributed_args(p)
+    add_tensor_parallel_args(p)
     add_elastic_args(p)
     add_ema_args(p)
     add_gradient_checkpointing_args(p)
@@ -599,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
             f"({train.directory}); {len(dev) if dev is not None else 0} held out"
         )
 
+    mesh = tensor_parallel_mesh(args, env)  # --tensor-parallel: (dp, tp); else None
+    dp_env = env if mesh is None else env.data_parallel(mesh["dp"])  # what the Trainer sees
     start = time.perf_counter()
     done = 0  # optimizer steps of the phases before the current one
     previous: Path | None = None
@@ -616,26 +622,30 @@ def main(argv: list[str] | None = None) -> int:
             break
         model = phase_model(args, phase, tokenizer, previous)
         model.bert.set_gradient_checkpointing(args.gradient_checkpointing)
-        trainer = run_phase(args, phase, limit, model, data[phase], env, logger, resuming, done)
+        if mesh is not None:
+            parallelize_bert(model, mesh["tp"])
+        trainer = run_phase(args, phase, limit, model, data[phase], dp_env, logger, resuming, done)
         final = dict(trainer.last_eval)
         for hook in trainer.hooks:
             if isinstance(hook, ModelEMA):
                 final.update(hook.final_metrics())  # the phase's EMA evaluation (ema_ sums)
         if trainer.global_step >= steps:
+            saved = unsplit_model(trainer.model)  # gathers a tensor-parallel model's shards
             if env.is_main:
-                save_hf_directory(trainer.model, tokenizer, model_dir)
+                save_hf_directory(saved, tokenizer, model_dir)
                 logger.info(f"[Phase {phase}] saved {model_dir}")
             env.barrier()
             previous = model_dir
         done += trainer.global_step
         if trainer.global_step < steps:
             break  # --max-steps ended the run inside this phase
+    exported = unsplit_model(trainer.model) if args.export_dir and trainer is not None else None
     if env.is_main and args.export_dir:
-        if trainer is None:
+        if trainer is None or exported is None:
             raise SystemExit("--export-dir: every phase was already finished; nothing was trained")
         ema = next((h for h in trainer.hooks if isinstance(h, ModelEMA)), None)
         path = modelzoo.save_artifact(
-            args.export_dir, trainer.model, model_name=args.bert_model or "bert",
+            args.export_dir, exported, model_name=args.bert_model or "bert",
             model_kwargs={"head": "pretraining"}, task="fill-mask", tokenizer=tokenizer,
             metrics=ratio_metrics(final, {**RATIOS, **EMA_RATIOS}),
             source=export_source(args, command, weights="ema" if ema else "model"),

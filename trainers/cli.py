@@ -41,6 +41,9 @@ __all__ = [
     "add_optimizer_args",
     "add_schedule_args",
     "add_tensorboard_args",
+    "add_tensor_parallel_args",
+    "apply_tensor_parallel",
+    "tensor_parallel_mesh",
     "build_combiner",
     "build_elastic",
     "build_ema",
@@ -620,6 +623,70 @@ def run_configs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
         configs["ema"] = ema_config(args)
     configs.update(more)
     return {k: v for k, v in configs.items() if v is not None}
+
+
+# ---- model parallelism (trainers/parallel, docs/model_parallel.md) --------------------------
+def add_tensor_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """``--tensor-parallel N`` (the BERT scripts)."""
+    g = parser.add_argument_group("model parallelism (docs/model_parallel.md)")
+    g.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split every Transformer layer over N processes (Megatron's layout on DTensor); "
+        "the world (torchrun's processes) becomes WORLD/N data-parallel replicas of N ranks",
+    )
+
+
+def tensor_parallel_mesh(args: argparse.Namespace, env: DistEnv) -> Any:
+    """The ``(dp, tp)`` device mesh of ``--tensor-parallel N`` (``None`` for ``N = 1``), after
+    checking that the run can be split that way."""
+    value = getattr(args, "tensor_parallel", None)
+    tp = 1 if value is None else int(value)
+    if tp < 1:
+        raise SystemExit(f"--tensor-parallel must be >= 1, got {tp}")
+    if tp == 1:
+        return None
+    if env.world_size % tp:
+        raise SystemExit(
+            f"--tensor-parallel {tp} needs a world size divisible by {tp}; this run has "
+            f"{env.world_size} process(es) (torchrun --nproc-per-node)"
+        )
+    if getattr(args, "elastic_dir", None):
+        raise SystemExit(
+            "--tensor-parallel and --elastic-dir do not combine: a tensor-parallel replica "
+            "cannot change its width; run elastic training data-parallel"
+        )
+    if getattr(args, "model_ema", False):
+        raise SystemExit(
+            "--model-ema does not run on a tensor-parallel model yet (its copy would be "
+            "sharded too); drop one of --model-ema and --tensor-parallel"
+        )
+    if getattr(args, "grad_combine", "average") != "average":
+        raise SystemExit(
+            f"--tensor-parallel runs with --grad-combine average (got {args.grad_combine!r})"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(
+        env.device.type, (env.world_size // tp, tp), mesh_dim_names=("dp", "tp")
+    )
+
+
+def apply_tensor_parallel(
+    args: argparse.Namespace, env: DistEnv, model: nn.Module
+) -> tuple[nn.Module, DistEnv]:
+    """Lay ``model`` out over ``--tensor-parallel N`` ranks; returns it and the environment
+    the Trainer and the data should see (the data-parallel view of ``env``; ``env`` itself
+    with ``N = 1``)."""
+    mesh = tensor_parallel_mesh(args, env)
+    if mesh is None:
+        return model, env
+    from .parallel import parallelize_bert
+
+    parallelize_bert(model, mesh["tp"])
+    return model, env.data_parallel(mesh["dp"])
 
 
 # ---- while training: TensorBoard, weight averaging, activation memory ------------------------

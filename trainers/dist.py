@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from dataclasses import dataclass, field
@@ -57,6 +58,10 @@ class DistEnv:
             (``TORCHELASTIC_RESTART_COUNT``; 0 on the first run).
         device: the device this rank computes on (``cuda:<local_rank>`` or ``cpu``).
         backend: the process-group backend, or ``None`` for a world of one.
+        group: the process group of the collectives below; ``None``: the whole world. A
+            data-parallel view (:meth:`data_parallel`) sets it to its ``dp`` group.
+        global_rank: in a data-parallel view, this process's rank in the whole world (it
+            decides :attr:`is_main`); ``None`` otherwise.
     """
 
     rank: int = 0
@@ -67,6 +72,8 @@ class DistEnv:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None
     owns_process_group: bool = False
+    group: Any = None
+    global_rank: int | None = None
 
     @classmethod
     def from_env(cls, backend: str | None = None, *, device: str | None = None) -> DistEnv:
@@ -145,8 +152,32 @@ class DistEnv:
     # -- properties -------------------------------------------------------------------------
     @property
     def is_main(self) -> bool:
-        """True on rank 0, the only rank that logs and saves."""
-        return self.rank == 0
+        """True on rank 0 of the world, the only rank that logs and saves."""
+        return (self.rank if self.global_rank is None else self.global_rank) == 0
+
+    def data_parallel(self, mesh: Any) -> DistEnv:
+        """The data-parallel view over the 1-D ``mesh`` (``mesh["dp"]`` of a ``(dp, tp)``
+        mesh): rank and world size within the mesh, collectives over its group.
+
+        What shards and averages data (samplers, metric sums, gradient averaging, seeds)
+        sees the ``dp`` replicas only: the tensor-parallel ranks of one replica get the same
+        batches and the same random streams. Logging and saving stay on the world's rank 0;
+        :meth:`barrier` still waits for the whole world. The view owns no process group.
+        """
+        if mesh.ndim != 1:
+            raise ValueError(f"data_parallel: expected a 1-D mesh (mesh['dp']), got {mesh}")
+        return dataclasses.replace(
+            self,
+            rank=mesh.get_local_rank(),
+            world_size=mesh.size(),
+            group=mesh.get_group(),
+            global_rank=self.rank if self.global_rank is None else self.global_rank,
+            owns_process_group=False,
+        )
+
+    def _global(self, rank: int) -> int:
+        """The world rank of ``rank`` of :attr:`group`."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     @property
     def distributed(self) -> bool:
@@ -174,8 +205,9 @@ class DistEnv:
 
     # -- collectives (no-ops for a world of one) -------------------------------------------
     def barrier(self) -> None:
-        """Wait for every rank."""
-        if self.distributed:
+        """Wait for every rank (of the whole world, also in a data-parallel view)."""
+        whole = self.global_rank is not None and dist.is_initialized()
+        if self.distributed or (whole and dist.get_world_size() > 1):
             if self.backend == "nccl":
                 dist.barrier(device_ids=[self.device.index])
             else:
@@ -184,7 +216,7 @@ class DistEnv:
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over ranks in place and return it."""
         if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -192,7 +224,9 @@ class DistEnv:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, device=self._object_device())
+        dist.broadcast_object_list(
+            box, src=self._global(src), group=self.group, device=self._object_device()
+        )
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -200,7 +234,7 @@ class DistEnv:
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
@@ -208,7 +242,7 @@ class DistEnv:
         if not self.distributed:
             return [obj]
         out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dst)
+        dist.gather_object(obj, out, dst=self._global(dst), group=self.group)
         return out
 
     def _object_device(self) -> torch.device | None:

@@ -77,6 +77,12 @@ from .loop_state import Meter as _Meter
 from .loop_state import elapsed as _elapsed
 from .loop_state import rng_state as _rng_state
 from .loop_state import set_rng_state as _set_rng_state
+from .parallel import (
+    clip_grad_norm_,
+    gather_optimizer_state,
+    is_tensor_parallel,
+    shard_optimizer_state_,
+)
 
 __all__ = ["CHECKPOINT_FORMAT", "Trainer", "TrainerConfig"]
 
@@ -133,6 +139,14 @@ class Trainer:
             model.to(memory_format=torch.channels_last)
         self.model = model  # the bare module: evaluation, checkpoints
         self.combiner = combiner if combiner is not None else AverageCombiner()
+        # Tensor-parallel (trainers.parallel): env is the data-parallel view, checkpoints
+        # gather the shards (model and optimizer state) into the unsplit format.
+        self.tensor_parallel = is_tensor_parallel(model)
+        if self.tensor_parallel and not self.combiner.supports_tensor_parallel:
+            raise ValueError(
+                f"--grad-combine {self.combiner.name} does not run on a tensor-parallel model; "
+                "use --grad-combine average with --tensor-parallel"
+            )
         self.forward_model = self.combiner.prepare(
             model, optimizer, self.env
         )  # what train_step gets
@@ -375,7 +389,7 @@ class Trainer:
         if self.config.clip_grad_norm is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
+            clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
         self._call_hooks("on_before_step", self.global_step)
         lr = self._apply_lr()
         self.combiner.step(self.optimizer, self.scaler)
@@ -560,10 +574,18 @@ class Trainer:
         combiner state, partial metric sums) are gathered to rank 0.
         """
         model = self.combiner.checkpoint_model()  # a collective too (DEF: the average)
+        shards = None
+        if self.tensor_parallel:  # gathering the shards is a collective over the tp group
+            shards = {
+                "model": self.model.state_dict(),
+                "optimizer": gather_optimizer_state(
+                    self.model, self.optimizer, self.optimizer.state_dict()
+                ),
+            }
         ranks = self.env.gather_object(self._rank_state())
         if not self.env.is_main:
             return None
-        state = self._full_state(ranks)
+        state = self._full_state(ranks, shards)
         if model is not None:
             state["model"] = model
         return state
@@ -575,6 +597,12 @@ class Trainer:
         the others): :meth:`load_state_dict` takes it back on the same rank of a world of
         the same size. The tensors are the live ones: copy them to keep a snapshot.
         """
+        if self.tensor_parallel:
+            raise ValueError(
+                "local_state_dict: a tensor-parallel model's state is gathered from its "
+                "shards (a collective), so in-memory elastic commits do not support it; use "
+                "state_dict() / save_checkpoint()"
+            )
         ranks: list[dict[str, Any] | None] = [None] * self.env.world_size
         ranks[self.env.rank] = self._rank_state()
         return self._full_state(ranks)
@@ -587,12 +615,18 @@ class Trainer:
             "epoch_meter": self._epoch_meter.state_dict(),
         }
 
-    def _full_state(self, ranks: list[Any]) -> dict[str, Any]:
+    def _full_state(
+        self, ranks: list[Any], gathered: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The checkpoint; ``gathered``: the model and optimizer states when they had to be
+        gathered on every rank first (tensor parallelism)."""
         schedule = self.lr_schedule
+        if gathered is None:
+            gathered = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         return {
             "format": CHECKPOINT_FORMAT,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": gathered["model"],
+            "optimizer": gathered["optimizer"],
             "lr_schedule": schedule.state_dict() if hasattr(schedule, "state_dict") else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "epoch": self.epoch,
@@ -675,6 +709,8 @@ class Trainer:
             )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.tensor_parallel:  # each rank keeps its shards of the unsplit state
+            shard_optimizer_state_(self.model, self.optimizer)
         if state["lr_schedule"] is not None and hasattr(self.lr_schedule, "load_state_dict"):
             self.lr_schedule.load_state_dict(state["lr_schedule"])  # type: ignore[union-attr]
         if self.scaler is not None and state["scaler"] is not None:

@@ -53,6 +53,7 @@ __all__ = [
     "SpanLogits",
     "bert_from_checkpoint",
     "build_bert",
+    "set_dropout",
 ]
 
 HEADS = ("none", "qa", "pretraining", "classification")
@@ -473,6 +474,22 @@ def _init_bert(module: nn.Module, std: float) -> None:
             nn.init.zeros_(m.bias)
         elif isinstance(m, BertMLMHead):
             nn.init.zeros_(m.bias)
+
+
+def set_dropout(model: nn.Module, p: float) -> nn.Module:
+    """Set every dropout of a BERT (hidden and attention) to ``p``, in place, and record it
+    in the model's config (so a saved ``config.json`` says so); returns ``model``."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {p}")
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = p
+        elif isinstance(module, BertSelfAttention):
+            module.dropout_p = p
+        config = getattr(module, "config", None)
+        if isinstance(config, BertConfig):
+            module.config = dataclasses.replace(config, hidden_dropout=p, attention_dropout=p)
+    return model
 
 
 def build_bert(config: BertConfig, *, head: str | None = None, num_classes: int = 2) -> nn.Module:

@@ -222,3 +222,47 @@ def test_fine_tuning_minilm_beats_the_untuned_model_on_held_out_questions(tmp_pa
     assert steps[-1]["loss"] < steps[0]["loss"]
     official = json.loads((out / "eval_results.json").read_text())
     assert official["f1"] == pytest.approx(after["f1"], abs=1e-9)  # sums == official script
+
+
+@pytest.mark.dist
+def test_tensor_parallel_fine_tuning_equals_one_process(tmp_path):
+    """``--tensor-parallel 2`` on 2 processes (one replica split in two) trains the same model
+    as one process: same losses, same weights up to float32 rounding of the split sums, same
+    predictions; the saved model is the ordinary unsplit directory."""
+    from safetensors.torch import load_file
+
+    data = _tiny_set(tmp_path / "tiny.json")
+    env = {**os.environ, "MODELZOO_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    common = ["--train_file", str(data), "--predict_file", str(data), *FAST,
+              "--batch_size", "2", "--test_batch_size", "3", "--epochs", "1", "--lr", "1e-3",
+              "--log_interval", "1", "--dropout", "0", "--optimizer", "lamb"]  # fmt: skip
+    runs = {}
+    for name, launch in (
+        ("one", [sys.executable, str(SCRIPT)]),
+        ("tp", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", str(SCRIPT), "--tensor-parallel", "2"]),
+    ):  # fmt: skip
+        out = tmp_path / name
+        result = subprocess.run(
+            [*launch, *common, "--output_dir", str(out), "--run-log", str(out / "run.jsonl")],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[name] = out
+    one, tp = (_records(runs[k] / "run.jsonl") for k in ("one", "tp"))
+    assert tp[0]["world_size"] == 2
+    losses = [[r["loss"] for r in recs if r["kind"] == "step"] for recs in (one, tp)]
+    assert len(losses[0]) == 4
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    a, b = (load_file(str(runs[k] / "model.safetensors")) for k in ("one", "tp"))
+    assert sorted(a) == sorted(b)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    # ... while training moved the encoder by far more than that.
+    import modelzoo
+    from modelzoo.convert.bert import to_hf_state_dict
+
+    start = to_hf_state_dict(modelzoo.get_model("minilm_l6_h384", pretrained=True, head="qa"))
+    moved = max((a[k] - start[k]).abs().max().item() for k in a if "qa_outputs" not in k)
+    assert moved > 1e-3
+    predictions = [json.loads((runs[k] / "predictions.json").read_text()) for k in ("one", "tp")]
+    assert predictions[0] == predictions[1]

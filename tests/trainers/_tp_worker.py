@@ -16,11 +16,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from modelzoo.nlp.bert import BertConfig, BertForPretraining, BertForQuestionAnswering
+from trainers import DistEnv, Trainer, TrainerConfig
 from trainers.optim import Lamb, Lans
 from trainers.parallel import parallelize_bert, qkv_permutation, sharded_parameter_names
 
@@ -68,6 +70,96 @@ def batch(seed: int, n: int, length: int = 12) -> dict[str, torch.Tensor]:
 def loss_of(model: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
     out = model(b["ids"], b["types"], b["mask"], masked_positions=b["positions"])
     return (out.mlm_logits * b["w"]).sum() + out.nsp_logits.square().sum()
+
+
+class QAData(torch.utils.data.Dataset):
+    """Random token windows with random answer spans (float64 model, so no noise)."""
+
+    def __init__(self, n: int = 24, length: int = 10) -> None:
+        gen = torch.Generator().manual_seed(5)
+        self.ids = torch.randint(0, CONFIG.vocab_size, (n, length), generator=gen)
+        self.types = torch.randint(0, 2, (n, length), generator=gen)
+        self.spans = torch.randint(0, length, (n, 2), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int):
+        return self.ids[i], self.types[i], self.spans[i]
+
+
+def qa_step(model, batch):
+    ids, types, spans = batch
+    out = model(ids, types)
+    loss = F.cross_entropy(out.start, spans[:, 0]) + F.cross_entropy(out.end, spans[:, 1])
+    return loss, {"loss": loss.detach() * len(ids), "count": len(ids)}
+
+
+def qa_trainer(env, tp_mesh, steps: int, batch: int) -> Trainer:
+    torch.manual_seed(0)
+    model = BertForQuestionAnswering(CONFIG).double()
+    if tp_mesh is not None:
+        parallelize_bert(model, tp_mesh)
+    # LAMB: LANS normalises each gradient, which turns the span bias's gradient (0 up to
+    # rounding: a shift of all logits) into a unit vector of rounding noise.
+    optimizer = Lamb(model.parameters(), lr=0.02, weight_decay=0.01)
+    config = TrainerConfig(
+        max_steps=steps, epochs=10, batch_size=batch, seed=3, log_interval=0, clip_grad_norm=0.5
+    )
+    return Trainer(model, optimizer, config, env=env, train_step=qa_step)
+
+
+def trainer_checks(res: dict, rank: int, world: int, out: Path) -> None:
+    """Through the shared Trainer: a dp x tp run (LAMB, the trainer's gradient clip) against
+    one process on the global batch; its checkpoint in the unsplit format; resume."""
+    tp = 2
+    dp = world // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    env = DistEnv.from_env().data_parallel(mesh["dp"])
+    one = DistEnv(rank=0, world_size=1)  # every rank runs the oracle on its own
+    data = QAData()
+    ref = qa_trainer(one, None, 2, 2 * dp)
+    ref.fit(data)
+    ref_state = ref.state_dict()
+    # 2 steps, checkpoint, then 2 more from the checkpoint against 4 straight.
+    first = qa_trainer(env, mesh["tp"], 2, 2)
+    first.fit(data)
+    path = out / "tp_mid.pt"
+    first.save_checkpoint(path)
+    state = torch.load(path, weights_only=False)
+    res[f"trainer_dp{dp}_model_err"] = max(
+        (state["model"][k] - ref_state["model"][k]).abs().max().item() for k in ref_state["model"]
+    )
+    res[f"trainer_dp{dp}_model_plain"] = not any(
+        isinstance(v, DTensor) for v in state["model"].values()
+    )
+    opt, ref_opt = state["optimizer"]["state"], ref_state["optimizer"]["state"]
+    res[f"trainer_dp{dp}_opt_err"] = max(
+        (opt[i][k] - ref_opt[i][k]).abs().max().item()
+        for i in ref_opt
+        for k in ref_opt[i]
+        if torch.is_tensor(ref_opt[i][k]) and ref_opt[i][k].dim() > 0
+    )
+    res[f"trainer_dp{dp}_opt_shapes"] = all(
+        opt[i][k].shape == ref_opt[i][k].shape
+        for i in ref_opt
+        for k in ref_opt[i]
+        if torch.is_tensor(ref_opt[i][k])
+    )
+    plain = BertForQuestionAnswering(CONFIG).double()
+    plain.load_state_dict(state["model"])  # strict: the single-process format
+    resumed = qa_trainer(env, mesh["tp"], 4, 2)
+    resumed.resume(path)
+    resumed.fit(data)
+    straight = qa_trainer(env, mesh["tp"], 4, 2)
+    straight.fit(data)
+    a, b = resumed.model.state_dict(), straight.model.state_dict()
+    res[f"trainer_dp{dp}_resume_err"] = max((a[k] - b[k]).abs().max().item() for k in a)
+    ref4 = qa_trainer(one, None, 4, 2 * dp)
+    ref4.fit(data)
+    c = ref4.model.state_dict()
+    res[f"trainer_dp{dp}_final_err"] = max((b[k] - c[k]).abs().max().item() for k in c)
+    res[f"trainer_dp{dp}_moved"] = max((c[k] - ref_state["model"][k]).abs().max().item() for k in c)
 
 
 def main(out: Path) -> None:
@@ -181,6 +273,7 @@ def main(out: Path) -> None:
                 (rsd[k] - before[k]).abs().max().item() for k in rsd if k.endswith("weight")
             )
         dist.barrier()
+    trainer_checks(res, rank, world, out)
     # Span QA (the fine-tuning model) splits the same way.
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)

@@ -108,3 +108,49 @@ def test_qkv_permutation_groups_each_ranks_heads():
         ValueError, match="6 attention heads do not divide over --tensor-parallel 4"
     ):
         qkv_permutation(6, 2, 4)
+
+
+def test_trainer_dp_by_tp_equals_one_process_and_resumes_bit_for_bit(measured):
+    """The shared Trainer with a tensor-parallel model and the data-parallel view of the
+    world (2 ranks: 1 x 2; 4 ranks: 2 x 2), LAMB and the trainer's gradient clip, against one
+    process on the global batch; its checkpoint is the single-process format (model and
+    optimizer state) and resuming from it continues bit for bit."""
+    world, res, _ = measured
+    dp = world // 2
+    key = f"trainer_dp{dp}"
+    assert res[f"{key}_moved"] > 1e-2
+    assert res[f"{key}_model_plain"] and res[f"{key}_opt_shapes"]
+    assert res[f"{key}_model_err"] < 1e-12
+    assert res[f"{key}_opt_err"] < 1e-12
+    assert res[f"{key}_final_err"] < 1e-12
+    assert res[f"{key}_resume_err"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("flags", "world", "message"),
+    [
+        ({"tensor_parallel": 0}, 2, "--tensor-parallel must be >= 1, got 0"),
+        ({"tensor_parallel": 2}, 3, "needs a world size divisible by 2; this run has 3"),
+        ({"tensor_parallel": 2, "elastic_dir": "/x"}, 2, "--elastic-dir do not combine"),
+        ({"tensor_parallel": 2, "model_ema": True}, 2, "--model-ema does not run"),
+        ({"tensor_parallel": 2, "grad_combine": "adasum"}, 2, "--grad-combine average"),
+    ],
+)
+def test_flag_combinations_that_cannot_split_are_clear_errors(flags, world, message):
+    import argparse
+
+    from trainers import DistEnv
+    from trainers.cli import tensor_parallel_mesh
+
+    with pytest.raises(SystemExit, match=message):
+        tensor_parallel_mesh(argparse.Namespace(**flags), DistEnv(rank=0, world_size=world))
+
+
+def test_one_way_tensor_parallelism_changes_nothing():
+    import argparse
+
+    from trainers import DistEnv
+    from trainers.cli import apply_tensor_parallel
+
+    model, env = torch.nn.Linear(2, 2), DistEnv()
+    assert apply_tensor_parallel(argparse.Namespace(tensor_parallel=1), env, model) == (model, env)

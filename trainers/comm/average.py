@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ..dist import DistEnv
@@ -75,6 +77,11 @@ class AverageCombiner(DDPCombiner):
     """
 
     summary = "gradients averaged by DistributedDataParallel"
+    supports_tensor_parallel = True
+
+    def __init__(self, options: Any = None, **kwargs: Any) -> None:
+        super().__init__(options, **kwargs)
+        self._tp_group: Any = None  # the dp group, for a tensor-parallel model
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
@@ -82,14 +89,44 @@ class AverageCombiner(DDPCombiner):
         super().prepare(model, optimizer, env)
         if not env.distributed:
             return model
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            # Tensor-parallel: DDP would swap the DTensor parameters for local ones, which the
+            # optimizer (holding the DTensors) would no longer see; average the local shards'
+            # gradients over the data-parallel group after the backward instead.
+            self._tp_group = env.group
+            self.counter.grad_bytes = sum(
+                _local(p).numel() * _local(p).element_size() for p in model.parameters()
+            )
+            return model
         self.counter.set_model(model)
         return self._wrap(model, env, **self.options.ddp_kwargs())
 
+    def reduce_gradients(self, scaler: torch.amp.GradScaler | None) -> None:
+        if self._tp_group is None or self.model is None or self.env is None:
+            return
+        with torch.no_grad():  # to_local() is then the shard itself, not an autograd view
+            grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for g in grads:
+                by_dtype.setdefault(g.dtype, []).append(g)
+            for same in by_dtype.values():
+                flat = torch.cat([g.reshape(-1) for g in same])
+                dist.all_reduce(flat, group=self._tp_group)
+                flat.div_(self.env.world_size)
+                offset = 0
+                for g in same:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
         super().step(optimizer, scaler)
-        if self.ddp is not None:
+        if self.ddp is not None or self._tp_group is not None:
             self.counter.add(self.counter.grad_bytes)  # one dense all-reduce of the gradients
             self.counter.step()
 
     def metrics(self) -> dict[str, float]:
-        return self.counter.metrics() if self.ddp is not None else {}
+        return self.counter.metrics() if self.ddp is not None or self._tp_group else {}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

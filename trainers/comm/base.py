@@ -130,6 +130,9 @@ class GradCombiner:
     name: str = "base"
     Options: type = NoOptions
     summary: str = ""  # one line for --grad-combine's help and the docs table
+    # Whether the mode runs on a tensor-parallel model (DTensor parameters, trainers.parallel)
+    # with a data-parallel view of the world (DistEnv.data_parallel).
+    supports_tensor_parallel: bool = False
 
     @classmethod
     def is_deterministic(cls, options: Any) -> bool:

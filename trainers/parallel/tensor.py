@@ -48,6 +48,10 @@ from torch.distributed.tensor.parallel import (
 
 __all__ = [
     "bert_layers",
+    "clip_grad_norm_",
+    "gather_optimizer_state",
+    "shard_optimizer_state_",
+    "unsplit_model",
     "is_tensor_parallel",
     "parallelize_bert",
     "qkv_permutation",
@@ -159,12 +163,34 @@ def parallelize_bert(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
                 attn.qkv.bias.copy_(attn.qkv.bias[perm])
         parallelize_module(layer, mesh, _linear_styles(layer))
         attn.num_heads //= tp
-        attn._tp_perm = perm  # read by the state-dict hooks
+        attn._tp_perm = perm  # read by the state-dict hooks and the optimizer-state helpers
     setattr(model, _TP_ATTR, mesh)
     _broadcast_replicated(model, mesh)
     model.register_state_dict_post_hook(_full_state_dict_hook)
     model.register_load_state_dict_pre_hook(_shard_state_dict_hook)
     return model
+
+
+def unsplit_model(model: nn.Module) -> nn.Module:
+    """A plain (single-process) copy of a tensor-parallel BERT with the same weights, for
+    saving and exporting; a collective over the tp group (every rank gets the copy). A model
+    that is not tensor-parallel is returned as is."""
+    if not is_tensor_parallel(model):
+        return model
+    from modelzoo.nlp.bert import BertForSequenceClassification, BertModel
+
+    state = model.state_dict()  # gathers the shards
+    with torch.random.fork_rng():  # building a model draws its init; training's RNG is kept
+        if isinstance(model, BertModel):
+            plain: nn.Module = BertModel(model.config, add_pooler=model.pooler is not None)
+        elif isinstance(model, BertForSequenceClassification):
+            plain = BertForSequenceClassification(model.config, model.num_classes)
+        else:
+            plain = type(model)(model.config)
+    first = next(iter(state.values()))
+    plain.to(device=first.device, dtype=first.dtype)
+    plain.load_state_dict(state)
+    return plain
 
 
 def is_tensor_parallel(model: nn.Module) -> bool:
@@ -237,3 +263,123 @@ def shard_dim(param: DTensor) -> int | None:
         if isinstance(placement, Shard):
             return placement.dim
     return None
+
+
+# ---- the trainer's side: clipping and optimizer state with sharded parameters -------------
+
+
+def _shard_group(param: torch.Tensor) -> tuple[int, Any, int, int] | None:
+    """``(dim, group, index, parts)`` of a tp-sharded DTensor; None for anything else."""
+    if not isinstance(param, DTensor):
+        return None
+    for mesh_dim, placement in enumerate(param.placements):
+        if isinstance(placement, Shard):
+            mesh = param.device_mesh
+            return (
+                placement.dim,
+                mesh.get_group(mesh_dim),
+                mesh.get_local_rank(mesh_dim),
+                mesh.size(mesh_dim),
+            )
+    return None
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for models with tensor-parallel parameters.
+
+    The norm is the norm of the whole model's gradient: the squared norms of sharded
+    gradients are summed over their shards (one all-reduce per process group), replicated
+    ones counted once. Then every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``,
+    torch's rule. Without DTensor gradients it is torch's function.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    if not any(isinstance(p.grad, DTensor) for p in params):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    locals_ = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    dtype = locals_[0].dtype
+    whole = torch.zeros((), dtype=dtype)
+    per_group: dict[Any, torch.Tensor] = {}
+    for p, g in zip(params, locals_, strict=True):
+        square = torch.linalg.vector_norm(g).to(dtype).square()
+        info = _shard_group(p)
+        if info is None:
+            whole = whole + square
+        else:
+            group = info[1]
+            per_group[group] = per_group.get(group, torch.zeros((), dtype=dtype)) + square
+    for group, square in per_group.items():
+        dist.all_reduce(square, group=group)
+        whole = whole + square
+    total = whole.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(locals_, coef)
+    return total
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _row_orders(model: nn.Module) -> dict[int, torch.Tensor]:
+    """``id(parameter) -> row permutation`` of the regrouped qkv parameters. Kept on the
+    attention modules, not on the parameters: ``Module.to()`` swaps a DTensor parameter's
+    contents (``torch.utils.swap_tensors``), which drops attributes set on it."""
+    orders = {}
+    for module in model.modules():
+        perm = getattr(module, "_tp_perm", None)
+        if perm is None:
+            continue
+        for tensor in (module.qkv.weight, module.qkv.bias):
+            if tensor is not None:
+                orders[id(tensor)] = perm
+    return orders
+
+
+def gather_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with every sharded state tensor (moments, master copies)
+    gathered whole and the qkv rows put back in ``[q; k; v]`` order: the state dict of the
+    unsplit model's optimizer. A collective over each tp group; ``state_dict`` is not
+    modified (it holds the live state), a new one is returned."""
+    state = dict(state_dict["state"])
+    orders = _row_orders(model)
+    for index, param in enumerate(_optimizer_params(optimizer)):
+        info = _shard_group(param)
+        if info is None or index not in state:
+            continue
+        dim, group, _, parts = info
+        local_shape = param.to_local().shape
+        entry = dict(state[index])
+        for key, value in entry.items():
+            if not torch.is_tensor(value) or value.shape != local_shape or value.dim() == 0:
+                continue
+            pieces = [torch.empty_like(value) for _ in range(parts)]
+            dist.all_gather(pieces, value.contiguous(), group=group)
+            whole = torch.cat(pieces, dim=dim)
+            rows = orders.get(id(param))
+            if rows is not None:
+                whole = whole[torch.argsort(rows)]
+            entry[key] = whole
+        state[index] = entry
+    return {**state_dict, "state": state}
+
+
+def shard_optimizer_state_(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """After ``optimizer.load_state_dict(unsplit)``: keep each rank's shard of every state
+    tensor that has its sharded parameter's whole shape (the inverse of
+    :func:`gather_optimizer_state`; no communication)."""
+    orders = _row_orders(model)
+    for param in _optimizer_params(optimizer):
+        info = _shard_group(param)
+        if info is None or param not in optimizer.state:
+            continue
+        dim, _, index, parts = info
+        entry = optimizer.state[param]
+        for key, value in list(entry.items()):
+            if not torch.is_tensor(value) or value.shape != param.shape or value.dim() == 0:
+                continue
+            rows = orders.get(id(param))
+            if rows is not None:
+                value = value[rows]
+            entry[key] = value.chunk(parts, dim=dim)[index].contiguous()
