@@ -76,9 +76,9 @@ from trainers.cli import (
     build_optimizer,
     export_source,
     run_configs,
+    unsplit_for_saving,
 )
 from trainers.logs import gluonnlp_step_line
-from trainers.parallel import unsplit_model
 from trainers.schedules import create_schedule
 
 # What a newcomer gets with no data flags: MiniLM on the built-in stdlib set, CPU-sized.
@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics = trainer.fit(
             TrainFeatures(train_features), eval_dataset=eval_set, collate_fn=collate
         )
-        saved = unsplit_model(trainer.model)  # gathers a tensor-parallel model's shards
+        saved = unsplit_for_saving(trainer.model)  # gathers a tensor-parallel model's shards
         if env.is_main:
             path = save_hf_directory(saved, tokenizer, output_dir, replace=False)
             logger.info(f"saved {path / 'model.safetensors'} (a Hugging Face directory)")
@@ -569,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if env.is_main and ema is not None and "ema_f1" in ema.last_metrics:
         logger.info(f"Held-out F1 of the EMA {ema.last_metrics['ema_f1']:.2f} ({output_dir}/ema)")
-    exported = unsplit_model(trainer.model) if args.export_dir else None
+    exported = unsplit_for_saving(trainer.model) if args.export_dir else None
     if env.is_main and exported is not None:
         path = export_model(args, trainer, exported, ema, tokenizer, command)
         logger.info(f"exported {path} (modelzoo.pipeline('question-answering', DIR) loads it)")

@@ -79,12 +79,12 @@ from trainers.cli import (
     optimizer_config,
     run_configs,
     tensor_parallel_mesh,
+    unsplit_for_saving,
 )
 from trainers.config import ElasticConfig
 from trainers.ema import ModelEMA
 from trainers.logs import PhasedRunLogger, ratio_metrics
 from trainers.optim import create_optimizer
-from trainers.parallel import parallelize_bert, unsplit_model
 from trainers.schedules import LRSchedule, create_schedule
 
 # --lr-schedule: the default rounds the phases to whole steps (the published runs use it)
@@ -623,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
         model = phase_model(args, phase, tokenizer, previous)
         model.bert.set_gradient_checkpointing(args.gradient_checkpointing)
         if mesh is not None:
+            from trainers.parallel.tensor import parallelize_bert
+
             parallelize_bert(model, mesh["tp"])
         trainer = run_phase(args, phase, limit, model, data[phase], dp_env, logger, resuming, done)
         final = dict(trainer.last_eval)
@@ -630,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(hook, ModelEMA):
                 final.update(hook.final_metrics())  # the phase's EMA evaluation (ema_ sums)
         if trainer.global_step >= steps:
-            saved = unsplit_model(trainer.model)  # gathers a tensor-parallel model's shards
+            saved = unsplit_for_saving(trainer.model)  # gathers a tensor-parallel model's shards
             if env.is_main:
                 save_hf_directory(saved, tokenizer, model_dir)
                 logger.info(f"[Phase {phase}] saved {model_dir}")
@@ -639,7 +641,9 @@ def main(argv: list[str] | None = None) -> int:
         done += trainer.global_step
         if trainer.global_step < steps:
             break  # --max-steps ended the run inside this phase
-    exported = unsplit_model(trainer.model) if args.export_dir and trainer is not None else None
+    exported = (
+        unsplit_for_saving(trainer.model) if args.export_dir and trainer is not None else None
+    )
     if env.is_main and args.export_dir:
         if trainer is None or exported is None:
             raise SystemExit("--export-dir: every phase was already finished; nothing was trained")

@@ -44,6 +44,7 @@ __all__ = [
     "add_tensor_parallel_args",
     "apply_tensor_parallel",
     "tensor_parallel_mesh",
+    "unsplit_for_saving",
     "build_combiner",
     "build_elastic",
     "build_ema",
@@ -639,6 +640,18 @@ def add_tensor_parallel_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def unsplit_for_saving(model: nn.Module) -> nn.Module:
+    """``model``, or for a tensor-parallel one a single-process copy (a collective over its
+    tp group: call it on every rank before rank 0 saves)."""
+    from ._dtensor import is_tensor_parallel
+
+    if not is_tensor_parallel(model):
+        return model
+    from .parallel.tensor import unsplit_model
+
+    return unsplit_model(model)
+
+
 def tensor_parallel_mesh(args: argparse.Namespace, env: DistEnv) -> Any:
     """The ``(dp, tp)`` device mesh of ``--tensor-parallel N`` (``None`` for ``N = 1``), after
     checking that the run can be split that way."""
@@ -683,7 +696,7 @@ def apply_tensor_parallel(
     mesh = tensor_parallel_mesh(args, env)
     if mesh is None:
         return model, env
-    from .parallel import parallelize_bert
+    from .parallel.tensor import parallelize_bert
 
     parallelize_bert(model, mesh["tp"])
     return model, env.data_parallel(mesh["dp"])

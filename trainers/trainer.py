@@ -67,6 +67,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from ._dtensor import is_tensor_parallel
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import AverageCombiner, GradCombiner
 from .config import _PRECISIONS, TrainerConfig
@@ -77,12 +78,6 @@ from .loop_state import Meter as _Meter
 from .loop_state import elapsed as _elapsed
 from .loop_state import rng_state as _rng_state
 from .loop_state import set_rng_state as _set_rng_state
-from .parallel import (
-    clip_grad_norm_,
-    gather_optimizer_state,
-    is_tensor_parallel,
-    shard_optimizer_state_,
-)
 
 __all__ = ["CHECKPOINT_FORMAT", "Trainer", "TrainerConfig"]
 
@@ -389,7 +384,12 @@ class Trainer:
         if self.config.clip_grad_norm is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
-            clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
+            if self.tensor_parallel:
+                from .parallel.tensor import clip_grad_norm_
+
+                clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
         self._call_hooks("on_before_step", self.global_step)
         lr = self._apply_lr()
         self.combiner.step(self.optimizer, self.scaler)
@@ -576,6 +576,8 @@ class Trainer:
         model = self.combiner.checkpoint_model()  # a collective too (DEF: the average)
         shards = None
         if self.tensor_parallel:  # gathering the shards is a collective over the tp group
+            from .parallel.tensor import gather_optimizer_state
+
             shards = {
                 "model": self.model.state_dict(),
                 "optimizer": gather_optimizer_state(
@@ -710,6 +712,8 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.tensor_parallel:  # each rank keeps its shards of the unsplit state
+            from .parallel.tensor import shard_optimizer_state_
+
             shard_optimizer_state_(self.model, self.optimizer)
         if state["lr_schedule"] is not None and hasattr(self.lr_schedule, "load_state_dict"):
             self.lr_schedule.load_state_dict(state["lr_schedule"])  # type: ignore[union-attr]

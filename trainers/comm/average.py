@@ -10,9 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from .._dtensor import is_dtensor
 from ..dist import DistEnv
 from .base import CommCounter, GradCombiner, option, register_combiner
 
@@ -89,7 +89,7 @@ class AverageCombiner(DDPCombiner):
         super().prepare(model, optimizer, env)
         if not env.distributed:
             return model
-        if any(isinstance(p, DTensor) for p in model.parameters()):
+        if any(is_dtensor(p) for p in model.parameters()):
             # Tensor-parallel: DDP would swap the DTensor parameters for local ones, which the
             # optimizer (holding the DTensors) would no longer see; average the local shards'
             # gradients over the data-parallel group after the backward instead.
@@ -129,4 +129,4 @@ class AverageCombiner(DDPCombiner):
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+
+from .._dtensor import is_dtensor
 
 __all__ = [
     "Bucket",
@@ -198,10 +199,12 @@ class Bucket:
 def _local(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """``(tensor, grad, group)`` to update: a DTensor's local shard, its gradient's, and the
     process group it is sharded over (None for plain or replicated tensors)."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return param, param.grad, None
+    from torch.distributed.tensor import Shard
+
     grad = param.grad
-    if not isinstance(grad, DTensor) or grad.placements != param.placements:
+    if not is_dtensor(grad) or grad.placements != param.placements:
         raise RuntimeError(
             f"a DTensor parameter with placements {param.placements} has a gradient laid out "
             f"as {getattr(grad, 'placements', 'a plain tensor')}; the layer-wise optimizers "

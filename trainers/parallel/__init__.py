@@ -1,5 +1,14 @@
-"""Model parallelism on ``torch.distributed.tensor`` (tensor parallelism: ``tensor``)."""
+"""Model parallelism: tensor parallelism on ``torch.distributed.tensor`` (``tensor``) and
+pipeline stages on ``torch.distributed.pipelining`` (``pipeline``)."""
 
+from trainers.parallel.pipeline import (
+    PIPELINE_SCHEDULES,
+    Pipeline,
+    PipelineStageModule,
+    balanced_boundaries,
+    build_pipeline,
+    model_blocks,
+)
 from trainers.parallel.tensor import (
     bert_layers,
     clip_grad_norm_,
@@ -14,10 +23,16 @@ from trainers.parallel.tensor import (
 )
 
 __all__ = [
+    "PIPELINE_SCHEDULES",
+    "Pipeline",
+    "PipelineStageModule",
+    "balanced_boundaries",
     "bert_layers",
+    "build_pipeline",
     "clip_grad_norm_",
     "gather_optimizer_state",
     "is_tensor_parallel",
+    "model_blocks",
     "parallelize_bert",
     "qkv_permutation",
     "shard_optimizer_state_",

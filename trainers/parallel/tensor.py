@@ -59,7 +59,8 @@ __all__ = [
     "tensor_parallel_degree",
 ]
 
-_TP_ATTR = "_modelzoo_tensor_parallel"  # set on the root module: the tp mesh
+from trainers._dtensor import TP_ATTR as _TP_ATTR
+from trainers._dtensor import is_tensor_parallel
 
 
 def bert_layers(model: nn.Module) -> list[nn.Module]:
@@ -191,11 +192,6 @@ def unsplit_model(model: nn.Module) -> nn.Module:
     plain.to(device=first.device, dtype=first.dtype)
     plain.load_state_dict(state)
     return plain
-
-
-def is_tensor_parallel(model: nn.Module) -> bool:
-    """Whether ``parallelize_bert`` laid ``model`` out."""
-    return getattr(model, _TP_ATTR, None) is not None
 
 
 def tensor_parallel_degree(model: nn.Module) -> int:

@@ -1,0 +1,147 @@
+"""One rank of the pipeline-parallel checks (``test_pipeline_parallel.py``).
+
+Each rank builds the same float64 model twice: one copy is split into a pipeline stage, the
+other runs whole as the oracle, over the same micro-batches one after the other (gradient
+accumulation of the mean loss). For GPipe and 1F1B, rank 0 collects every stage's largest
+gradient and BatchNorm-statistics difference and the last stage's losses, and writes
+``<out>/result.pt``.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from modelzoo.nlp.bert import BertConfig, BertForQuestionAnswering, BertForSequenceClassification
+from trainers.parallel.pipeline import build_pipeline, model_blocks
+
+MICRO = 4
+BERT = BertConfig(
+    vocab_size=50,
+    hidden_size=24,
+    num_layers=4,
+    num_heads=4,
+    intermediate_size=40,
+    max_position_embeddings=16,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+
+
+def span_loss(logits: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    start, end = logits.unbind(-1)
+    return F.cross_entropy(start, spans[:, 0]) + F.cross_entropy(end, spans[:, 1])
+
+
+def bert_case(kind: str):
+    torch.manual_seed(0)
+    model = (
+        BertForQuestionAnswering(BERT) if kind == "qa" else BertForSequenceClassification(BERT, 3)
+    ).double()
+    gen = torch.Generator().manual_seed(1)
+    n, length = 8, 10
+    ids = torch.randint(0, BERT.vocab_size, (n, length), generator=gen)
+    types = torch.randint(0, 2, (n, length), generator=gen)
+    mask = torch.ones(n, length, dtype=torch.long)
+    mask[:, -2:] = torch.randint(0, 2, (n, 2), generator=gen)
+    if kind == "qa":
+        target = torch.randint(0, length, (n, 2), generator=gen)
+
+        def whole(m, i, t, k):
+            out = m(i, t, k)
+            return torch.stack([out.start, out.end], -1)
+
+        return model, (ids, types, mask), target, span_loss, whole
+    target = torch.randint(0, 3, (n,), generator=gen)
+    return model, (ids, types, mask), target, F.cross_entropy, lambda m, i, t, k: m(i, t, k)
+
+
+def resnest_case():
+    import modelzoo
+
+    torch.manual_seed(0)
+    model = modelzoo.get_model("resnest14", num_classes=5).double()
+    gen = torch.Generator().manual_seed(2)
+    images = torch.randn(8, 3, 32, 32, generator=gen, dtype=torch.float64)
+    target = torch.randint(0, 5, (8,), generator=gen)
+    return model, (images,), target, F.cross_entropy, lambda m, x: m(x)
+
+
+def run(case, schedule: str, rank: int, world: int, boundaries=None) -> dict:
+    model, inputs, target, loss_fn, whole = case
+    ref = copy.deepcopy(model)
+    ref.train()
+    model.train()
+    micro = [x[: len(target) // MICRO] for x in inputs]
+    pipe = build_pipeline(
+        model, rank=rank, num_stages=world, micro_batches=MICRO, loss_fn=loss_fn,
+        example_inputs=micro, schedule=schedule, boundaries=boundaries,
+    )  # fmt: skip
+    losses = pipe.step(inputs, target)
+    ref_losses = []
+    size = len(target) // MICRO
+    for k in range(MICRO):
+        part = slice(k * size, (k + 1) * size)
+        loss = loss_fn(whole(ref, *(x[part] for x in inputs)), target[part])
+        (loss / MICRO).backward()
+        ref_losses.append(loss.detach())
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref_params = dict(ref.named_parameters())
+    own = [(names[id(p)], p) for p in pipe.module.parameters()]
+    grad_err = max((p.grad - ref_params[n].grad).abs().max().item() for n, p in own)
+    grad_scale = max(ref_params[n].grad.abs().max().item() for n, _ in own)
+    ref_buffers = dict(ref.named_buffers())
+    buffer_names = {id(b): n for n, b in model.named_buffers()}
+    stats_err = max(
+        [
+            (b.double() - ref_buffers[buffer_names[id(b)]].double()).abs().max().item()
+            for b in pipe.module.buffers()
+        ]
+        or [0.0]
+    )
+    loss_err = max(
+        [(a - b).abs().item() for a, b in zip(losses, ref_losses, strict=True)] if losses else [0.0]
+    )
+    return {
+        "grad_err": grad_err,
+        "grad_scale": grad_scale,
+        "stats_err": stats_err,
+        "loss_err": loss_err,
+        "n_losses": len(losses),
+        "n_params": len(own),
+        "blocks": (pipe.module.start, pipe.module.end),
+        "n_blocks": len(model_blocks(model)),
+    }
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    plan = [("qa", "gpipe"), ("qa", "1f1b")]
+    if world == 2:  # (the suite's time: the 4-stage run checks span QA only)
+        plan += [("cls", "1f1b"), ("resnest", "gpipe"), ("resnest", "1f1b")]
+    cases = {
+        "qa": lambda: bert_case("qa"),
+        "cls": lambda: bert_case("cls"),
+        "resnest": resnest_case,
+    }
+    for name, schedule in plan:
+        results[(name, schedule)] = run(cases[name](), schedule, rank, world)
+    # Boundaries given by hand: BERT's 6 blocks as [embeddings + 3 layers | 1 layer + head].
+    if world == 2:
+        results[("qa", "manual")] = run(bert_case("qa"), "1f1b", rank, world, [0, 4, 6])
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        torch.save(gathered, out / "result.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,25 @@
+"""DTensor checks that do not import ``torch.distributed.tensor`` (about 2 s at start-up).
+
+No tensor can be a DTensor before that module is imported, so the checks look it up in
+``sys.modules`` and answer False when it is absent; the tensor-parallel code imports it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["TP_ATTR", "is_dtensor", "is_tensor_parallel"]
+
+TP_ATTR = "_modelzoo_tensor_parallel"  # set on a model's root module: its tp mesh
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.distributed.tensor.DTensor``."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
+def is_tensor_parallel(model: Any) -> bool:
+    """Whether ``trainers.parallel.parallelize_bert`` laid ``model`` out."""
+    return getattr(model, TP_ATTR, None) is not None
