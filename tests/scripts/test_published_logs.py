@@ -86,7 +86,6 @@ DIRTY_ONLY_IN_LOGS = {
     ("digits_comm_ef_qsgd_2proc", "1915e6d6f8d3"),
     ("digits_comm_slowmo_2proc", "1915e6d6f8d3"),
     ("digits_comm_localsgd_2proc", "1915e6d6f8d3"),
-    ("digits_comm_local_adaalter_2proc", "1915e6d6f8d3"),
 }
 
 
@@ -202,7 +201,7 @@ REPRODUCED_BY_DEFAULT = {
     "logs/digits_lamb_b128/seed0.jsonl",  # LAMB with accumulation
     "logs/digits_comm_ef_topk_2proc/seed0.jsonl",  # torchrun, 2 processes, top-k + EF
     "logs/sbm_gin/seed0.jsonl",  # graph classification, one thread (from the fingerprint)
-    "logs/digits_comm_local_adaalter_2proc/seed0.jsonl",  # local steps (in DIRTY_ONLY_IN_LOGS)
+    "logs/digits_comm_local_adaalter_2proc/seed0.jsonl",  # local steps, the authors AdaAlter
 }
 REPRODUCE_ALL = os.environ.get("MODELZOO_REPRODUCE_ALL") == "1"
 # rerun whole: the claim must hold, and where this machine can re-create the trace, exactly
