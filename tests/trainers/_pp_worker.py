@@ -10,6 +10,7 @@ gradient and BatchNorm-statistics difference and the last stage's losses, and wr
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -17,20 +18,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from modelzoo.nlp.bert import BertConfig, BertForQuestionAnswering, BertForSequenceClassification
+from modelzoo.nlp.bert import BertForQuestionAnswering, BertForSequenceClassification
+from tests.trainers._tp_worker import CONFIG as TP_CONFIG
 from trainers.parallel.pipeline import build_pipeline, model_blocks
 
 MICRO = 4
-BERT = BertConfig(
-    vocab_size=50,
-    hidden_size=24,
-    num_layers=4,
-    num_heads=4,
-    intermediate_size=40,
-    max_position_embeddings=16,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
+BERT = dataclasses.replace(TP_CONFIG, num_layers=4)  # the tensor-parallel checks' BERT, deeper
 
 
 def span_loss(logits: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .._dtensor import is_dtensor
 from ..dist import DistEnv
 from .base import CommCounter, GradCombiner, option, register_combiner
+from .flat import allreduce_mean_
 
 __all__ = ["AverageCombiner", "AverageOptions", "DDPCombiner"]
 
@@ -81,7 +81,7 @@ class AverageCombiner(DDPCombiner):
 
     def __init__(self, options: Any = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)
-        self._tp_group: Any = None  # the dp group, for a tensor-parallel model
+        self._tensor_parallel = False  # DTensor parameters: averaged without DDP
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
@@ -93,7 +93,7 @@ class AverageCombiner(DDPCombiner):
             # Tensor-parallel: DDP would swap the DTensor parameters for local ones, which the
             # optimizer (holding the DTensors) would no longer see; average the local shards'
             # gradients over the data-parallel group after the backward instead.
-            self._tp_group = env.group
+            self._tensor_parallel = True
             self.counter.grad_bytes = sum(
                 _local(p).numel() * _local(p).element_size() for p in model.parameters()
             )
@@ -102,30 +102,29 @@ class AverageCombiner(DDPCombiner):
         return self._wrap(model, env, **self.options.ddp_kwargs())
 
     def reduce_gradients(self, scaler: torch.amp.GradScaler | None) -> None:
-        if self._tp_group is None or self.model is None or self.env is None:
+        if not self._tensor_parallel or self.model is None or self.env is None:
             return
         with torch.no_grad():  # to_local() is then the shard itself, not an autograd view
-            grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for g in grads:
-                by_dtype.setdefault(g.dtype, []).append(g)
-            for same in by_dtype.values():
-                flat = torch.cat([g.reshape(-1) for g in same])
-                dist.all_reduce(flat, group=self._tp_group)
-                flat.div_(self.env.world_size)
-                offset = 0
-                for g in same:
-                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                    offset += g.numel()
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    g = _local(p.grad)
+                    by_dtype.setdefault(g.dtype, []).append(g)
+        for same in by_dtype.values():  # over env.group: the data-parallel replicas
+            allreduce_mean_(same, self.env, dtype=None)
+
+    @property
+    def _communicates(self) -> bool:
+        return self.ddp is not None or self._tensor_parallel
 
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
         super().step(optimizer, scaler)
-        if self.ddp is not None or self._tp_group is not None:
+        if self._communicates:
             self.counter.add(self.counter.grad_bytes)  # one dense all-reduce of the gradients
             self.counter.step()
 
     def metrics(self) -> dict[str, float]:
-        return self.counter.metrics() if self.ddp is not None or self._tp_group else {}
+        return self.counter.metrics() if self._communicates else {}
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

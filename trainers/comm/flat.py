@@ -71,15 +71,16 @@ def flat_grads(params: Sequence[Tensor], dtype: torch.dtype = torch.float32) -> 
     )
 
 
-def broadcast_(tensors: Sequence[Tensor], src: int = 0) -> None:
-    """Rank ``src``'s values of ``tensors`` on every rank; one message per dtype and device."""
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+def broadcast_(tensors: Sequence[Tensor], src: int = 0, *, group: Any = None) -> None:
+    """Rank ``src``'s values of ``tensors`` on every rank of ``group`` (default: the world;
+    ``src`` is a world rank); one message per dtype and device."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    for group in groups.values():
-        flat = flatten(group, dtype=None)
-        dist.broadcast(flat, src=src)
-        unflatten_(group, flat)
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    for same in by_kind.values():
+        flat = flatten(same, dtype=None)
+        dist.broadcast(flat, src=src, group=group)
+        unflatten_(same, flat)
 
 
 def exchange(
@@ -100,7 +101,8 @@ def exchange(
 def allreduce_mean_(
     tensors: Sequence[Tensor], env: DistEnv, *, dtype: torch.dtype | None = torch.float32
 ) -> int:
-    """Average ``tensors`` over the ranks in place (one all-reduce); returns the bytes sent.
+    """Average ``tensors`` over the ranks of ``env`` (its ``group``: the world, or the
+    replicas of a data-parallel view) in place, one all-reduce; returns the bytes sent.
 
     The values travel in ``dtype`` (``None``: the tensors' own). Nothing happens (0 bytes)
     in a world of one or for an empty list.
@@ -109,7 +111,7 @@ def allreduce_mean_(
         return 0
     with torch.no_grad():
         flat = flatten(tensors, dtype)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=env.group)
         flat /= env.world_size
         unflatten_(tensors, flat)
     return flat.element_size() * flat.numel()

@@ -18,7 +18,6 @@ from trainers.parallel.tensor import (
     qkv_permutation,
     shard_optimizer_state_,
     sharded_parameter_names,
-    tensor_parallel_degree,
     unsplit_model,
 )
 
@@ -37,6 +36,5 @@ __all__ = [
     "qkv_permutation",
     "shard_optimizer_state_",
     "sharded_parameter_names",
-    "tensor_parallel_degree",
     "unsplit_model",
 ]

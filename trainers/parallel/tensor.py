@@ -56,11 +56,11 @@ __all__ = [
     "parallelize_bert",
     "qkv_permutation",
     "sharded_parameter_names",
-    "tensor_parallel_degree",
 ]
 
 from trainers._dtensor import TP_ATTR as _TP_ATTR
 from trainers._dtensor import is_tensor_parallel
+from trainers.comm.flat import broadcast_
 
 
 def bert_layers(model: nn.Module) -> list[nn.Module]:
@@ -120,11 +120,8 @@ def _broadcast_replicated(model: nn.Module, mesh: DeviceMesh) -> None:
     """Make every plain (replicated) parameter and buffer equal to the tp group's first
     rank's, so that ranks that initialised differently still hold one model."""
     group = mesh.get_group()
-    src = dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            if not isinstance(tensor, DTensor):
-                dist.broadcast(tensor.data, src=src, group=group)
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if not isinstance(t, DTensor)]
+    broadcast_(tensors, src=dist.get_global_rank(group, 0), group=group)
 
 
 def parallelize_bert(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -194,12 +191,6 @@ def unsplit_model(model: nn.Module) -> nn.Module:
     return plain
 
 
-def tensor_parallel_degree(model: nn.Module) -> int:
-    """The tp degree of a model laid out by ``parallelize_bert`` (1 when it is not)."""
-    mesh = getattr(model, _TP_ATTR, None)
-    return 1 if mesh is None else mesh.size()
-
-
 def sharded_parameter_names(model: nn.Module) -> list[str]:
     """Names of the parameters split over the tp mesh (the row-parallel biases are DTensors
     too, but replicated: every rank holds them whole)."""
@@ -251,14 +242,6 @@ def _shard_state_dict_hook(
         state_dict[key] = distribute_tensor(
             value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None
         )
-
-
-def shard_dim(param: DTensor) -> int | None:
-    """The tensor dimension a tp-sharded parameter is split on (None: replicated)."""
-    for placement in param.placements:
-        if isinstance(placement, Shard):
-            return placement.dim
-    return None
 
 
 # ---- the trainer's side: clipping and optimizer state with sharded parameters -------------
