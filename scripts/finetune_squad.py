@@ -70,7 +70,7 @@ from trainers.cli import (
     add_optimizer_args,
     add_tensor_parallel_args,
     add_tensorboard_args,
-    apply_tensor_parallel,
+    apply_model_parallel,
     build_combiner,
     build_ema,
     build_optimizer,
@@ -293,6 +293,16 @@ class Collate:
 # ---------------------------------------------------------------------------------------------
 
 
+def pipeline_inputs(batch: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """The QA model's inputs for ``--pipeline-parallel``: the attention mask as integers, all
+    ones where no window of the batch is padded (the stages pass a tensor on)."""
+    ids = batch["input_ids"]
+    mask = batch["attention_mask"]
+    if mask is None:
+        return ids, batch["token_type_ids"], torch.ones_like(ids)
+    return ids, batch["token_type_ids"], mask.long()
+
+
 class SquadTask:
     """Loss, evaluation (post-processing + the official metric per question) and the
     prediction files."""
@@ -492,8 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)  # the same span-classifier init on every rank and rerun
     model = build_model(args, logger, env.is_main)
     model.bert.set_gradient_checkpointing(args.gradient_checkpointing)
-    world = env  # the whole world; env becomes its data-parallel view with --tensor-parallel
-    model, env = apply_tensor_parallel(args, world, model)
+    world = env  # the whole world; env becomes its data-parallel view with model parallelism
+    model, env = apply_model_parallel(args, world, model, inputs_of=pipeline_inputs)
     optimizer = build_optimizer(args, model)
     combiner = build_combiner(args, env)
     global_batch = args.batch_size * args.accumulate * combiner.data_parts(env.world_size)

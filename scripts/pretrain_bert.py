@@ -137,7 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_optimizer_args(p, default="lans")
     p.set_defaults(wd=0.01, no_wd=True, epsilon=1e-6)
     add_distributed_args(p)
-    add_tensor_parallel_args(p)
+    add_tensor_parallel_args(p, pipeline=False)  # its decoder is tied to the embeddings
     add_elastic_args(p)
     add_ema_args(p)
     add_gradient_checkpointing_args(p)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["TP_ATTR", "is_dtensor", "is_tensor_parallel"]
+__all__ = ["PIPELINE_ATTR", "TP_ATTR", "is_dtensor", "is_pipeline_parallel", "is_tensor_parallel"]
 
 TP_ATTR = "_modelzoo_tensor_parallel"  # set on a model's root module: its tp mesh
 
@@ -23,3 +23,11 @@ def is_dtensor(value: Any) -> bool:
 def is_tensor_parallel(model: Any) -> bool:
     """Whether ``trainers.parallel.parallelize_bert`` laid ``model`` out."""
     return getattr(model, TP_ATTR, None) is not None
+
+
+PIPELINE_ATTR = "is_pipeline_stage"  # True on trainers.parallel.pipeline.PipelinedModel
+
+
+def is_pipeline_parallel(model: Any) -> bool:
+    """Whether ``model`` is a :class:`trainers.parallel.pipeline.PipelinedModel`."""
+    return bool(getattr(model, PIPELINE_ATTR, False))

@@ -17,7 +17,7 @@ import math
 import sys
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ __all__ = [
     "add_schedule_args",
     "add_tensorboard_args",
     "add_tensor_parallel_args",
+    "apply_model_parallel",
     "apply_tensor_parallel",
     "tensor_parallel_mesh",
     "unsplit_for_saving",
@@ -627,8 +628,18 @@ def run_configs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
 
 
 # ---- model parallelism (trainers/parallel, docs/model_parallel.md) --------------------------
-def add_tensor_parallel_args(parser: argparse.ArgumentParser) -> None:
-    """``--tensor-parallel N`` (the BERT scripts)."""
+def _boundaries(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected block indices separated by commas, e.g. 0,4,8; got {text!r}"
+        ) from None
+
+
+def add_tensor_parallel_args(parser: argparse.ArgumentParser, *, pipeline: bool = True) -> None:
+    """``--tensor-parallel N`` and (``pipeline=True``) ``--pipeline-parallel N
+    --micro-batches M --pipeline-schedule --pipeline-boundaries``."""
     g = parser.add_argument_group("model parallelism (docs/model_parallel.md)")
     g.add_argument(
         "--tensor-parallel",
@@ -638,13 +649,49 @@ def add_tensor_parallel_args(parser: argparse.ArgumentParser) -> None:
         help="split every Transformer layer over N processes (Megatron's layout on DTensor); "
         "the world (torchrun's processes) becomes WORLD/N data-parallel replicas of N ranks",
     )
+    if not pipeline:
+        return
+    g.add_argument(
+        "--pipeline-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="cut the model into N pipeline stages, one per process (torch.distributed."
+        "pipelining); the world becomes WORLD/N data-parallel replicas of N stages",
+    )
+    g.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        metavar="M",
+        help="micro-batches per pipeline step (--batch-size must divide by M; default: the "
+        "number of stages)",
+    )
+    g.add_argument(
+        "--pipeline-schedule",
+        choices=("1f1b", "gpipe"),
+        default="1f1b",
+        help="1f1b: one forward, one backward (activations of at most N micro-batches); "
+        "gpipe: all forwards, then all backwards",
+    )
+    g.add_argument(
+        "--pipeline-boundaries",
+        type=_boundaries,
+        default=None,
+        metavar="B0,B1,...",
+        help="the block where each stage starts, and the end (default: balanced by parameter "
+        "count; the planner, python -m trainers.parallel.plan, gives measured ones)",
+    )
 
 
 def unsplit_for_saving(model: nn.Module) -> nn.Module:
-    """``model``, or for a tensor-parallel one a single-process copy (a collective over its
-    tp group: call it on every rank before rank 0 saves)."""
-    from ._dtensor import is_tensor_parallel
+    """``model``, or for a tensor- or pipeline-parallel one the whole single-process model (a
+    collective over its group: call it on every rank before rank 0 saves)."""
+    from ._dtensor import is_pipeline_parallel, is_tensor_parallel
 
+    if is_pipeline_parallel(model):
+        model.synchronize()  # type: ignore[operator]
+        return model.full_model  # type: ignore[return-value]
     if not is_tensor_parallel(model):
         return model
     from .parallel.tensor import unsplit_model
@@ -652,34 +699,41 @@ def unsplit_for_saving(model: nn.Module) -> nn.Module:
     return unsplit_model(model)
 
 
-def tensor_parallel_mesh(args: argparse.Namespace, env: DistEnv) -> Any:
-    """The ``(dp, tp)`` device mesh of ``--tensor-parallel N`` (``None`` for ``N = 1``), after
-    checking that the run can be split that way."""
-    value = getattr(args, "tensor_parallel", None)
-    tp = 1 if value is None else int(value)
-    if tp < 1:
-        raise SystemExit(f"--tensor-parallel must be >= 1, got {tp}")
-    if tp == 1:
-        return None
-    if env.world_size % tp:
+def _model_parallel_checks(args: argparse.Namespace, env: DistEnv, flag: str, n: int) -> None:
+    if env.world_size % n:
         raise SystemExit(
-            f"--tensor-parallel {tp} needs a world size divisible by {tp}; this run has "
+            f"{flag} {n} needs a world size divisible by {n}; this run has "
             f"{env.world_size} process(es) (torchrun --nproc-per-node)"
         )
     if getattr(args, "elastic_dir", None):
         raise SystemExit(
-            "--tensor-parallel and --elastic-dir do not combine: a tensor-parallel replica "
-            "cannot change its width; run elastic training data-parallel"
+            f"{flag} and --elastic-dir do not combine: a model-parallel replica cannot change "
+            "its width; run elastic training data-parallel"
         )
     if getattr(args, "model_ema", False):
         raise SystemExit(
-            "--model-ema does not run on a tensor-parallel model yet (its copy would be "
-            "sharded too); drop one of --model-ema and --tensor-parallel"
+            f"--model-ema does not run on a model split by {flag} yet (its copy would be "
+            f"split too); drop one of --model-ema and {flag}"
         )
     if getattr(args, "grad_combine", "average") != "average":
-        raise SystemExit(
-            f"--tensor-parallel runs with --grad-combine average (got {args.grad_combine!r})"
-        )
+        raise SystemExit(f"{flag} runs with --grad-combine average (got {args.grad_combine!r})")
+
+
+def _degree(args: argparse.Namespace, name: str) -> int:
+    value = getattr(args, name, None)
+    n = 1 if value is None else int(value)
+    if n < 1:
+        raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {n}")
+    return n
+
+
+def tensor_parallel_mesh(args: argparse.Namespace, env: DistEnv) -> Any:
+    """The ``(dp, tp)`` device mesh of ``--tensor-parallel N`` (``None`` for ``N = 1``), after
+    checking that the run can be split that way."""
+    tp = _degree(args, "tensor_parallel")
+    if tp == 1:
+        return None
+    _model_parallel_checks(args, env, "--tensor-parallel", tp)
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(
@@ -700,6 +754,53 @@ def apply_tensor_parallel(
 
     parallelize_bert(model, mesh["tp"])
     return model, env.data_parallel(mesh["dp"])
+
+
+def apply_model_parallel(
+    args: argparse.Namespace,
+    env: DistEnv,
+    model: nn.Module,
+    *,
+    inputs_of: Callable[[Any], Sequence[torch.Tensor]] | None = None,
+) -> tuple[nn.Module, DistEnv]:
+    """``--tensor-parallel`` (:func:`apply_tensor_parallel`) or ``--pipeline-parallel N``:
+    ``model`` as a :class:`trainers.parallel.PipelinedModel` over a ``(dp, pp)`` mesh, and the
+    data-parallel view of ``env``. ``inputs_of(batch)``: the model's positional inputs."""
+    pp = _degree(args, "pipeline_parallel")
+    if pp == 1:
+        return apply_tensor_parallel(args, env, model)
+    if _degree(args, "tensor_parallel") > 1:
+        raise SystemExit(
+            "--tensor-parallel and --pipeline-parallel do not combine yet: choose one "
+            "(the planner's plans with both cannot run here)"
+        )
+    _model_parallel_checks(args, env, "--pipeline-parallel", pp)
+    micro = args.micro_batches if args.micro_batches is not None else pp
+    if micro < 1:
+        raise SystemExit(f"--micro-batches must be >= 1, got {micro}")
+    if args.batch_size % micro:
+        raise SystemExit(
+            f"--batch-size {args.batch_size} does not split into --micro-batches {micro}; "
+            "make the batch size a multiple of the micro-batches"
+        )
+    if inputs_of is None:
+        raise SystemExit(f"--pipeline-parallel: {type(model).__name__} has no pipeline inputs")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .parallel.pipeline import PipelinedModel
+
+    mesh = init_device_mesh(
+        env.device.type, (env.world_size // pp, pp), mesh_dim_names=("dp", "pp")
+    )
+    try:
+        pipelined = PipelinedModel(
+            model, group=mesh["pp"].get_group(), micro_batches=micro, inputs_of=inputs_of,
+            schedule=args.pipeline_schedule, boundaries=args.pipeline_boundaries,
+            device=env.device,
+        )  # fmt: skip
+    except (TypeError, ValueError) as err:
+        raise SystemExit(f"--pipeline-parallel {pp}: {err}") from None
+    return pipelined, env.data_parallel(mesh["dp"])
 
 
 # ---- while training: TensorBoard, weight averaging, activation memory ------------------------

@@ -67,7 +67,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ._dtensor import is_tensor_parallel
+from ._dtensor import is_pipeline_parallel, is_tensor_parallel
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import AverageCombiner, GradCombiner
 from .config import _PRECISIONS, TrainerConfig
@@ -137,10 +137,21 @@ class Trainer:
         # Tensor-parallel (trainers.parallel): env is the data-parallel view, checkpoints
         # gather the shards (model and optimizer state) into the unsplit format.
         self.tensor_parallel = is_tensor_parallel(model)
-        if self.tensor_parallel and not self.combiner.supports_tensor_parallel:
+        # Pipeline-parallel (trainers.parallel.PipelinedModel): its train_step replaces
+        # train_step + backward; env is the data-parallel view, as with tensor parallelism.
+        self.pipeline: Any = model if is_pipeline_parallel(model) else None
+        if (self.tensor_parallel or self.pipeline is not None) and (
+            not self.combiner.supports_tensor_parallel
+        ):
+            kind = "--tensor-parallel" if self.tensor_parallel else "--pipeline-parallel"
             raise ValueError(
-                f"--grad-combine {self.combiner.name} does not run on a tensor-parallel model; "
-                "use --grad-combine average with --tensor-parallel"
+                f"--grad-combine {self.combiner.name} does not run on a model split by {kind}; "
+                f"use --grad-combine average with {kind}"
+            )
+        if self.pipeline is not None and config.precision == "fp16":
+            raise ValueError(
+                "--pipeline-parallel runs in fp32 or bf16 (fp16's loss scaling is not wired "
+                "into the pipeline schedules); use --dtype bf16 or float32"
             )
         self.forward_model = self.combiner.prepare(
             model, optimizer, self.env
@@ -228,9 +239,15 @@ class Trainer:
                     batch = self._to_device(batch)
                     sync = contextlib.nullcontext() if last_micro else self.combiner.no_sync()
                     with sync:
-                        with self._autocast():
-                            loss, metrics = self.train_step(self.forward_model, batch)
-                        self._backward(loss if group == 1 else loss / group)
+                        if self.pipeline is not None:  # forward and backward of every stage
+                            with self._autocast():
+                                loss, metrics = self.pipeline.train_step(
+                                    self.train_step, batch, scale=1.0 / group
+                                )
+                        else:
+                            with self._autocast():
+                                loss, metrics = self.train_step(self.forward_model, batch)
+                            self._backward(loss if group == 1 else loss / group)
                     if self._slow_factor:  # --inject-straggler: this rank computes slower
                         time.sleep(self._slow_factor * (time.perf_counter() - started))
                     self._metric_names = list(metrics)
@@ -388,6 +405,8 @@ class Trainer:
                 from .parallel.tensor import clip_grad_norm_
 
                 clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
+            elif self.pipeline is not None:  # the norm over every stage
+                self.pipeline.clip_grad_norm_(self.config.clip_grad_norm)
             else:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
         self._call_hooks("on_before_step", self.global_step)
@@ -524,6 +543,8 @@ class Trainer:
             raise ValueError("evaluation needs an eval_step; pass eval_step= to the Trainer")
         env = self.env
         self.combiner.synchronize()  # replicas that drifted apart (local SGD, CSER) agree
+        if self.pipeline is not None:  # every stage's weights on every rank: the whole model
+            self.pipeline.synchronize()
         sampler = ShardedSampler(
             len(dataset),  # type: ignore[arg-type]
             batch_size=self.config.eval_batch_size or self.config.batch_size,
@@ -584,6 +605,11 @@ class Trainer:
                     self.model, self.optimizer, self.optimizer.state_dict()
                 ),
             }
+        elif self.pipeline is not None:  # the whole model, and every stage's optimizer state
+            shards = {
+                "model": self.model.state_dict(),
+                "optimizer": self.pipeline.optimizer_state(self.optimizer),
+            }
         ranks = self.env.gather_object(self._rank_state())
         if not self.env.is_main:
             return None
@@ -599,11 +625,11 @@ class Trainer:
         the others): :meth:`load_state_dict` takes it back on the same rank of a world of
         the same size. The tensors are the live ones: copy them to keep a snapshot.
         """
-        if self.tensor_parallel:
+        if self.tensor_parallel or self.pipeline is not None:
             raise ValueError(
-                "local_state_dict: a tensor-parallel model's state is gathered from its "
-                "shards (a collective), so in-memory elastic commits do not support it; use "
-                "state_dict() / save_checkpoint()"
+                "local_state_dict: a tensor- or pipeline-parallel model's state is gathered "
+                "from its ranks (a collective), so in-memory elastic commits do not support "
+                "it; use state_dict() / save_checkpoint()"
             )
         ranks: list[dict[str, Any] | None] = [None] * self.env.world_size
         ranks[self.env.rank] = self._rank_state()
@@ -710,7 +736,10 @@ class Trainer:
                 "from a state_dict() (a checkpoint) instead"
             )
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.pipeline is not None:
+            self.pipeline.load_optimizer_state(self.optimizer, state["optimizer"], source=source)
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.tensor_parallel:  # each rank keeps its shards of the unsplit state
             from .parallel.tensor import shard_optimizer_state_
 

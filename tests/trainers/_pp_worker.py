@@ -20,7 +20,10 @@ import torch.nn.functional as F
 
 from modelzoo.nlp.bert import BertForQuestionAnswering, BertForSequenceClassification
 from tests.trainers._tp_worker import CONFIG as TP_CONFIG
-from trainers.parallel.pipeline import build_pipeline, model_blocks
+from tests.trainers._tp_worker import QAData, qa_step
+from trainers import DistEnv, Trainer, TrainerConfig
+from trainers.optim import Lamb
+from trainers.parallel.pipeline import PipelinedModel, build_pipeline, model_blocks
 
 MICRO = 4
 BERT = dataclasses.replace(TP_CONFIG, num_layers=4)  # the tensor-parallel checks' BERT, deeper
@@ -112,6 +115,82 @@ def run(case, schedule: str, rank: int, world: int, boundaries=None) -> dict:
     }
 
 
+def qa_trainer(env, pp_group, steps: int, batch: int) -> Trainer:
+    """The tensor-parallel checks' QA trainer (LAMB, gradient clip 0.5, float64), with the
+    model pipelined over ``pp_group`` (2 micro-batches, 1F1B) when given."""
+    torch.manual_seed(0)
+    model = BertForQuestionAnswering(dataclasses.replace(BERT, num_layers=3)).double()
+    if pp_group is not None:
+        model = PipelinedModel(
+            model, group=pp_group, micro_batches=2, boundaries=[0, 3, 5],
+            inputs_of=lambda b: (b[0], b[1], torch.ones_like(b[0])),
+        )  # fmt: skip
+    optimizer = Lamb(model.parameters(), lr=0.02, weight_decay=0.01)
+    config = TrainerConfig(
+        max_steps=steps, epochs=10, batch_size=batch, seed=3, log_interval=0, clip_grad_norm=0.5
+    )
+    return Trainer(model, optimizer, config, env=env, train_step=qa_step, eval_step=qa_eval)
+
+
+def qa_eval(model, batch):
+    return qa_step(model, batch)[1]
+
+
+def trainer_checks(res: dict, world: int, out: Path) -> None:
+    """Through the shared Trainer: dp x pp (2 stages) against one process on the global
+    batch; the checkpoint's model in the unsplit format and its optimizer state per stage;
+    evaluation of the whole model; resume bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp = world // 2
+    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "pp"))
+    env = DistEnv.from_env().data_parallel(mesh["dp"])
+    one = DistEnv(rank=0, world_size=1)  # every rank runs the oracle on its own
+    data = QAData()
+    group = mesh["pp"].get_group()
+    ref = qa_trainer(one, None, 2, 2 * dp)
+    ref.fit(data)
+    ref_state = ref.state_dict()
+    first = qa_trainer(env, group, 2, 2)
+    first.fit(data)
+    res["trainer_eval"] = (first.evaluate(data), ref.evaluate(data))
+    path = out / f"pp_mid_{world}.pt"
+    first.save_checkpoint(path)
+    state = torch.load(path, weights_only=False)
+    res["trainer_model_err"] = max(
+        (state["model"][k] - ref_state["model"][k]).abs().max().item() for k in ref_state["model"]
+    )
+    res["trainer_model_keys"] = sorted(state["model"]) == sorted(ref_state["model"])
+    # Each stage's optimizer state against the reference's, matched by parameter name.
+    names = {id(p): n for n, p in first.model.full_model.named_parameters()}
+    ref_index = {n: i for i, (n, _) in enumerate(ref.model.named_parameters())}
+    blocks, bounds = first.model._blocks, first.model.boundaries
+    errs = []
+    for s_, stage_state in enumerate(state["optimizer"]["pipeline_stages"]):
+        params = [p for b in blocks[bounds[s_] : bounds[s_ + 1]] for p in b.parameters()]
+        for i, p in enumerate(params):
+            mine, theirs = (
+                stage_state["state"][i],
+                ref_state["optimizer"]["state"][ref_index[names[id(p)]]],
+            )
+            errs += [(mine[k] - theirs[k]).abs().max().item() for k in theirs
+                     if torch.is_tensor(theirs[k]) and theirs[k].dim() > 0]  # fmt: skip
+    res["trainer_opt_err"] = max(errs)
+    res["trainer_opt_count"] = len(errs)
+    resumed = qa_trainer(env, group, 4, 2)
+    resumed.resume(path)
+    resumed.fit(data)
+    straight = qa_trainer(env, group, 4, 2)
+    straight.fit(data)
+    a, b = resumed.model.state_dict(), straight.model.state_dict()
+    res["trainer_resume_err"] = max((a[k] - b[k]).abs().max().item() for k in a)
+    ref4 = qa_trainer(one, None, 4, 2 * dp)
+    ref4.fit(data)
+    c = ref4.model.state_dict()
+    res["trainer_final_err"] = max((b[k] - c[k]).abs().max().item() for k in c)
+    res["trainer_moved"] = max((c[k] - ref_state["model"][k]).abs().max().item() for k in c)
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -129,6 +208,9 @@ def main(out: Path) -> None:
     # Boundaries given by hand: BERT's 6 blocks as [embeddings + 3 layers | 1 layer + head].
     if world == 2:
         results[("qa", "manual")] = run(bert_case("qa"), "1f1b", rank, world, [0, 4, 6])
+    trainer: dict = {}
+    trainer_checks(trainer, world, out)
+    results["trainer"] = trainer
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:

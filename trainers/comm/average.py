@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .._dtensor import is_dtensor
+from .._dtensor import is_dtensor, is_pipeline_parallel
 from ..dist import DistEnv
 from .base import CommCounter, GradCombiner, option, register_combiner
 from .flat import allreduce_mean_
@@ -81,7 +81,7 @@ class AverageCombiner(DDPCombiner):
 
     def __init__(self, options: Any = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)
-        self._tensor_parallel = False  # DTensor parameters: averaged without DDP
+        self._average_after_backward = False  # DTensor parameters: averaged without DDP
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
@@ -89,11 +89,12 @@ class AverageCombiner(DDPCombiner):
         super().prepare(model, optimizer, env)
         if not env.distributed:
             return model
-        if any(is_dtensor(p) for p in model.parameters()):
+        if is_pipeline_parallel(model) or any(is_dtensor(p) for p in model.parameters()):
             # Tensor-parallel: DDP would swap the DTensor parameters for local ones, which the
-            # optimizer (holding the DTensors) would no longer see; average the local shards'
+            # optimizer (holding the DTensors) would no longer see; a pipeline stage's backward
+            # runs inside the schedule, not through DDP's forward. Average the (local)
             # gradients over the data-parallel group after the backward instead.
-            self._tensor_parallel = True
+            self._average_after_backward = True
             self.counter.grad_bytes = sum(
                 _local(p).numel() * _local(p).element_size() for p in model.parameters()
             )
@@ -102,7 +103,7 @@ class AverageCombiner(DDPCombiner):
         return self._wrap(model, env, **self.options.ddp_kwargs())
 
     def reduce_gradients(self, scaler: torch.amp.GradScaler | None) -> None:
-        if not self._tensor_parallel or self.model is None or self.env is None:
+        if not self._average_after_backward or self.model is None or self.env is None:
             return
         with torch.no_grad():  # to_local() is then the shard itself, not an autograd view
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -115,7 +116,7 @@ class AverageCombiner(DDPCombiner):
 
     @property
     def _communicates(self) -> bool:
-        return self.ddp is not None or self._tensor_parallel
+        return self.ddp is not None or self._average_after_backward
 
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
         super().step(optimizer, scaler)

@@ -4,9 +4,11 @@ pipeline stages on ``torch.distributed.pipelining`` (``pipeline``)."""
 from trainers.parallel.pipeline import (
     PIPELINE_SCHEDULES,
     Pipeline,
+    PipelinedModel,
     PipelineStageModule,
     balanced_boundaries,
     build_pipeline,
+    check_boundaries,
     model_blocks,
 )
 from trainers.parallel.tensor import (
@@ -25,9 +27,11 @@ __all__ = [
     "PIPELINE_SCHEDULES",
     "Pipeline",
     "PipelineStageModule",
+    "PipelinedModel",
     "balanced_boundaries",
     "bert_layers",
     "build_pipeline",
+    "check_boundaries",
     "clip_grad_norm_",
     "gather_optimizer_state",
     "is_tensor_parallel",

@@ -31,8 +31,10 @@ __all__ = [
     "PIPELINE_SCHEDULES",
     "Pipeline",
     "PipelineStageModule",
+    "PipelinedModel",
     "balanced_boundaries",
     "build_pipeline",
+    "check_boundaries",
     "model_blocks",
 ]
 
@@ -169,23 +171,56 @@ def balanced_boundaries(costs: Sequence[float], num_stages: int) -> list[int]:
     return bounds[::-1]
 
 
+def check_boundaries(
+    blocks: Sequence[nn.Module], num_stages: int, boundaries: Sequence[int] | None
+) -> list[int]:
+    """``boundaries`` checked against the chain (default: balanced by parameter count)."""
+    if boundaries is None:
+        sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        return balanced_boundaries(sizes, num_stages)
+    bounds = [int(b) for b in boundaries]
+    if (
+        len(bounds) != num_stages + 1
+        or bounds[0] != 0
+        or bounds[-1] != len(blocks)
+        or any(b >= c for b, c in zip(bounds, bounds[1:], strict=False))
+    ):
+        raise ValueError(
+            f"pipeline boundaries {bounds}: expected {num_stages + 1} increasing block "
+            f"indices from 0 to {len(blocks)} (the model has {len(blocks)} blocks)"
+        )
+    return bounds
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers live on the meta device (no copy of
+    their data is ever made)."""
+    import copy
+
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
+
+
 def _meta_shapes(
-    blocks: Sequence[nn.Module], inputs: Sequence[torch.Tensor]
+    blocks: Sequence[nn.Module], inputs: Sequence[torch.Tensor], *, on_meta: bool = False
 ) -> list[tuple[torch.Tensor, ...]]:
     """``shapes[i]``: meta tensors shaped like block ``i``'s inputs (``shapes[-1]``: the last
     block's outputs), from a run of one block at a time on the meta device (no compute, no
-    change to the real blocks' parameters or buffers)."""
-    import copy
-
+    change to the real blocks' parameters or buffers). ``on_meta``: ``blocks`` are meta
+    copies already (:func:`_meta_copy`)."""
     values = tuple(t.detach().to("meta") for t in inputs)
     shapes = [values]
     with torch.enable_grad():  # hidden states then require grad, as in training
         for block in blocks:
-            on_meta = copy.deepcopy(block).to("meta")
-            out = on_meta(*values)
+            meta_block = block if on_meta else _meta_copy(block)
+            out = meta_block(*values)
             values = out if isinstance(out, tuple) else (out,)
             shapes.append(values)
-            del on_meta
+            del meta_block
     return shapes
 
 
@@ -272,20 +307,7 @@ def build_pipeline(
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     blocks = model_blocks(model)
-    if boundaries is None:
-        sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
-        boundaries = balanced_boundaries(sizes, num_stages)
-    boundaries = list(boundaries)
-    if (
-        len(boundaries) != num_stages + 1
-        or boundaries[0] != 0
-        or boundaries[-1] != len(blocks)
-        or any(b >= c for b, c in zip(boundaries, boundaries[1:], strict=False))
-    ):
-        raise ValueError(
-            f"pipeline boundaries {boundaries}: expected {num_stages + 1} increasing block "
-            f"indices from 0 to {len(blocks)} (the model has {len(blocks)} blocks)"
-        )
+    boundaries = check_boundaries(blocks, num_stages, boundaries)
     start, end = boundaries[rank], boundaries[rank + 1]
     module = PipelineStageModule(blocks, start, end)
     shapes = _meta_shapes(blocks, example_inputs)
@@ -302,3 +324,297 @@ def build_pipeline(
     return Pipeline(
         module, stage, cls(stage, n_microbatches=micro_batches, loss_fn=loss_fn), num_stages
     )
+
+
+# ---- the Trainer's pipeline-parallel model ----------------------------------------------------
+
+
+def _output_wrapper(model: nn.Module) -> Callable[[Any], Any]:
+    """Turns the last block's output back into ``model``'s own output type."""
+    from modelzoo.nlp.bert import BertForQuestionAnswering, SpanLogits
+
+    if isinstance(model, BertForQuestionAnswering):
+        return lambda out: SpanLogits(*out.unbind(-1))
+    return lambda out: out
+
+
+class _Replay(nn.Module):
+    """Stands in for the model inside ``train_step``: returns the pipeline's output of the
+    micro-batch, whatever the inputs."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.output
+
+
+def _take(batch: Any, index: torch.Tensor, rows: int) -> Any:
+    """The rows ``index`` of a collated batch of ``rows`` samples: tensors by their first
+    dimension; dicts, tuples and lists of tensors (collated columns) element by element; a
+    list of ``rows`` other values (one per sample) by position; other leaves as they are."""
+    if isinstance(batch, torch.Tensor):
+        return batch[index.to(batch.device)] if batch.dim() and len(batch) == rows else batch
+    if isinstance(batch, dict):
+        return {k: _take(v, index, rows) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        columns = any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in batch)
+        if columns:
+            taken = [_take(v, index, rows) for v in batch]
+            return type(batch)(taken) if not hasattr(batch, "_fields") else type(batch)(*taken)
+        if isinstance(batch, list) and len(batch) == rows:
+            return [batch[i] for i in index.tolist()]
+    return batch
+
+
+class PipelinedModel(nn.Module):
+    """A zoo model as pipeline stages over a process group: what the shared
+    :class:`~trainers.Trainer` trains with ``--pipeline-parallel N``.
+
+    Each of the group's ``N`` ranks trains the blocks of its stage (the module's
+    ``parameters()`` are that stage's: build the optimizer on this module). A training step
+    (:meth:`train_step`, which the Trainer calls instead of ``train_step(model, batch)`` plus
+    a backward) splits the batch into ``micro_batches`` and runs PyTorch's schedule over them;
+    the script's own ``train_step`` is reused as the schedule's loss function, with the model
+    replaced by the pipeline's output of the micro-batch. Loss and metrics come from the last
+    stage and are broadcast to the group.
+
+    Every rank keeps the whole model (the stages share its parameters):
+    :meth:`synchronize` copies each stage's parameters and buffers from its rank to all, after
+    which ``forward`` (evaluation: the whole model, locally), ``state_dict`` (the ordinary
+    unsplit format) and export see the trained model. The memory of the *training* state
+    (gradients, optimizer state, activations) is the stage's; the weights of the other stages
+    are the price of exact, shape-free evaluation and checkpoints.
+
+    Args:
+        model: a zoo model (:func:`model_blocks`), the same weights on every rank.
+        group: the pipeline's process group (its ranks are the stages, in order).
+        micro_batches: micro-batches per training step (the batch must divide by it).
+        inputs_of: ``batch -> tuple of tensors``, the model's positional inputs from a
+            collated batch (no ``None``: e.g. an all-ones attention mask).
+        schedule: ``"1f1b"`` or ``"gpipe"``.
+        boundaries: the blocks' stage boundaries (default: balanced by parameter count).
+        device: where the stage computes.
+
+    The micro-batches' shapes may change from step to step (e.g. padding to the longest
+    sequence of the batch): a stage and schedule are built per shape, the same on every rank,
+    since every rank of a pipeline sees the same batch.
+    """
+
+    is_pipeline_stage = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        group: Any,
+        micro_batches: int,
+        inputs_of: Callable[[Any], Sequence[torch.Tensor]],
+        schedule: str = "1f1b",
+        boundaries: Sequence[int] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        import torch.distributed as dist
+
+        super().__init__()
+        if schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(
+                f"pipeline schedule must be one of {PIPELINE_SCHEDULES}, got {schedule!r}"
+            )
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        self.group = group
+        self.num_stages = dist.get_world_size(group)
+        self.stage_index = dist.get_rank(group)
+        self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.num_stages)]
+        self.micro_batches = micro_batches
+        self.schedule_name = schedule
+        self.inputs_of = inputs_of
+        self.device = torch.device(device)
+        model.to(self.device)
+        blocks = model_blocks(model)
+        self.boundaries = check_boundaries(blocks, self.num_stages, boundaries)
+        start, end = self.boundaries[self.stage_index], self.boundaries[self.stage_index + 1]
+        self.stage = PipelineStageModule(blocks, start, end)
+        # Not submodules: parameters() and the optimizer see this stage only.
+        self.__dict__["full_model"] = model
+        self.__dict__["_blocks"] = blocks
+        self.__dict__["_meta_blocks"] = None
+        self._wrap = _output_wrapper(model)
+        self._pipes: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+        self._step_fn: Any = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    # -- training ------------------------------------------------------------------------------
+    def _pipeline_for(self, inputs: Sequence[torch.Tensor]) -> Any:
+        size = inputs[0].shape[0] // self.micro_batches
+        key = tuple((tuple(t.shape[1:]), t.dtype) for t in inputs) + (size,)
+        if key not in self._pipes:
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+            if self._meta_blocks is None:
+                self.__dict__["_meta_blocks"] = [_meta_copy(b) for b in self._blocks]
+            example = [t[:size] for t in inputs]
+            shapes = _meta_shapes(self._meta_blocks, example, on_meta=True)
+            start, end = self.stage.start, self.stage.end
+            stage = PipelineStage(
+                self.stage, self.stage_index, self.num_stages, self.device,
+                input_args=shapes[start], output_args=shapes[end], group=self.group,
+            )  # fmt: skip
+            cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
+            schedule = cls(stage, n_microbatches=self.micro_batches, loss_fn=self._loss)
+            self._pipes[key] = (stage, schedule)
+        return self._pipes[key][1]
+
+    def _loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
+        step_fn, batch, scale, records, rows = self._step_fn
+        loss, metrics = step_fn(_Replay(self._wrap(output)), _take(batch, index, rows))
+        records.append((loss.detach(), metrics))
+        return loss * scale if scale != 1.0 else loss
+
+    def train_step(
+        self, step_fn: Callable[[nn.Module, Any], tuple[torch.Tensor, Any]], batch: Any,
+        *, scale: float = 1.0,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:  # fmt: skip
+        """Forward and backward of ``batch`` through the pipeline; the gradients of
+        ``scale`` x the mean of the micro-batches' losses accumulate in this stage's
+        parameters. Returns the mean loss and the metrics (summed over the micro-batches
+        when they have a ``"count"``, else averaged) on every rank of the group."""
+        import torch.distributed as dist
+
+        inputs = tuple(self.inputs_of(batch))
+        rows = int(inputs[0].shape[0])
+        if rows % self.micro_batches:
+            raise ValueError(
+                f"pipeline parallelism: a batch of {rows} does not split into "
+                f"{self.micro_batches} micro-batches; make --batch-size a multiple of "
+                "--micro-batches"
+            )
+        schedule = self._pipeline_for(inputs)
+        records: list[tuple[torch.Tensor, Any]] = []
+        self._step_fn = (step_fn, batch, scale, records, rows)
+        try:
+            target = torch.arange(rows) if self.is_last else None
+            args = inputs if self.is_first else ()
+            schedule.step(*args, target=target, return_outputs=False)
+        finally:
+            self._step_fn = None
+        payload: list[Any] = [None]
+        if self.is_last:
+            losses = torch.stack([loss.float() for loss, _ in records])
+            names = list(records[0][1]) if records else []
+            sums = {
+                k: sum(torch.as_tensor(m[k]).detach().double().cpu() for _, m in records)
+                for k in names
+            }
+            if "count" not in sums:
+                sums = {k: v / len(records) for k, v in sums.items()}
+            payload = [(losses.mean().item(), {k: v.item() if v.dim() == 0 else v
+                                                for k, v in sums.items()})]  # fmt: skip
+        if self.num_stages > 1:
+            dist.broadcast_object_list(payload, src=self.global_ranks[-1], group=self.group)
+        loss_value, metrics = payload[0]
+        return torch.tensor(loss_value), metrics
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: the norm of every stage's
+        gradients together (one all-reduce over the group)."""
+        import torch.distributed as dist
+
+        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+        square = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g in grads:
+            square += g.detach().double().pow(2).sum()
+        if self.num_stages > 1:
+            dist.all_reduce(square, group=self.group)
+        total = square.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.detach().mul_(coef.to(g.dtype))
+        return total
+
+    # -- the whole model -----------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Every stage's current parameters and buffers on every rank of the group (a
+        collective): the whole model is then the trained one everywhere."""
+        if self.num_stages == 1:
+            return
+        from trainers.comm.flat import broadcast_
+
+        for s in range(self.num_stages):
+            blocks = self._blocks[self.boundaries[s] : self.boundaries[s + 1]]
+            tensors = [t.data for b in blocks for t in (*b.parameters(), *b.buffers())]
+            broadcast_(tensors, src=self.global_ranks[s], group=self.group)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The whole model, on this rank (evaluation; :meth:`synchronize` first)."""
+        if self.training:
+            raise RuntimeError(
+                "PipelinedModel: training runs through train_step() (the Trainer calls it); "
+                "forward() is the whole model for evaluation: call .eval() and synchronize()"
+            )
+        return self.full_model(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> PipelinedModel:
+        super().train(mode)
+        self.full_model.train(mode)
+        return self
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """The whole model's state dict, in its ordinary (unsplit) names: a collective
+        (:meth:`synchronize`)."""
+        self.synchronize()
+        return self.full_model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load an unsplit state dict (every rank loads it all; its stage trains on)."""
+        return self.full_model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Every stage's optimizer state (a collective over the group): what a checkpoint
+        keeps, with the boundaries it belongs to."""
+        import torch.distributed as dist
+
+        own = _to_cpu(optimizer.state_dict())
+        states: list[Any] = [None] * self.num_stages
+        if self.num_stages > 1:
+            dist.all_gather_object(states, own, group=self.group)
+        else:
+            states = [own]
+        return {"pipeline_stages": states, "pipeline_boundaries": list(self.boundaries)}
+
+    def load_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], *, source: str = "state"
+    ) -> None:
+        """This stage's part of :meth:`optimizer_state`'s result."""
+        stages = state.get("pipeline_stages") if isinstance(state, dict) else None
+        if stages is None:
+            raise ValueError(
+                f"{source!r}: its optimizer state is not a pipeline's; resume it with the "
+                "--pipeline-parallel it was written with"
+            )
+        if list(state["pipeline_boundaries"]) != list(self.boundaries):
+            raise ValueError(
+                f"{source!r} was written by a pipeline with boundaries "
+                f"{state['pipeline_boundaries']}, this one has {self.boundaries}: resume "
+                "with the same --pipeline-parallel and --pipeline-boundaries"
+            )
+        optimizer.load_state_dict(stages[self.stage_index])
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
