@@ -46,7 +46,9 @@ from trainers.cli import (
     add_export_args,
     add_optimizer_args,
     add_schedule_args,
+    add_tensor_parallel_args,
     add_tensorboard_args,
+    apply_model_parallel,
     build_combiner,
     build_elastic,
     build_ema,
@@ -55,6 +57,7 @@ from trainers.cli import (
     elastic_resuming,
     export_source,
     run_configs,
+    unsplit_for_saving,
 )
 
 # The built-in default: what a newcomer gets with no data flags. Measured on seed 0 (AVX2
@@ -185,6 +188,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_schedule_args(p, default="cosine")
     add_distributed_args(p)
     add_elastic_args(p)
+    add_tensor_parallel_args(p, tensor=False)  # --pipeline-parallel N --micro-batches M
     add_ema_args(p)
     add_tensorboard_args(p)
     add_export_args(p)
@@ -353,6 +357,16 @@ def main(argv: list[str] | None = None) -> int:
         teacher = modelzoo.get_model(args.teacher, pretrained=True, num_classes=num_classes).eval()
         teacher.to(env.device).requires_grad_(False)
 
+    world = env  # the whole world; env becomes its data-parallel view with --pipeline-parallel
+    if args.pipeline_parallel > 1:
+        for flag, on in (("--mixup", args.mixup), ("--teacher", args.teacher),
+                         ("--channels-last", args.channels_last)):  # fmt: skip
+            if on:
+                raise SystemExit(
+                    f"{flag} does not run with --pipeline-parallel yet (the stages take the "
+                    f"images as the loader gives them); drop one of the two"
+                )
+    model, env = apply_model_parallel(args, world, model, inputs_of=lambda batch: batch[:1])
     optimizer = build_optimizer(args, model)
     combiner = build_combiner(args, env)
     global_batch = args.batch_size * args.accumulate * combiner.data_parts(env.world_size)
@@ -389,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     metrics = trainer.fit(train_set, eval_dataset=val_set)
+    exported = unsplit_for_saving(trainer.model) if args.export_dir else None  # collective
     if env.is_main:
         for ds, name in ((train_set, "train"), (val_set, "val")):
             report = getattr(ds, "report", None)
@@ -403,16 +418,17 @@ def main(argv: list[str] | None = None) -> int:
         if ema is not None and "ema_top1" in ema.last_metrics:
             logger.info(f"Held-out top-1 accuracy of the EMA: {ema.last_metrics['ema_top1']:.4f}")
         if args.export_dir:
-            path = export_model(args, trainer, ema, train_set, num_classes, command)
+            path = export_model(args, trainer, exported, ema, train_set, num_classes, command)
             logger.info(f"exported {path} (modelzoo.get_model / modelzoo.pipeline load it)")
     logger.close()
-    env.destroy()
+    world.destroy()
     return 0 if all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)) else 1
 
 
 def export_model(
     args: argparse.Namespace,
     trainer: Trainer,
+    model: torch.nn.Module,
     ema: Any,
     train_set: Any,
     num_classes: int,
@@ -424,7 +440,7 @@ def export_model(
     std = [s / 255 for s in _floats(args.rgb_std, "--rgb-std")]
     metrics = {**trainer.last_eval, **(ema.last_metrics if ema is not None else {})}
     return modelzoo.save_artifact(
-        args.export_dir, trainer.model, model_name=args.model,
+        args.export_dir, model, model_name=args.model,
         model_kwargs={"num_classes": num_classes, **_model_options(args)},
         task="image-classification", labels=getattr(train_set, "classes", None),
         preprocessing=image_preprocessing(args.input_size, args.crop_ratio, mean, std),

@@ -637,18 +637,24 @@ def _boundaries(text: str) -> list[int]:
         ) from None
 
 
-def add_tensor_parallel_args(parser: argparse.ArgumentParser, *, pipeline: bool = True) -> None:
-    """``--tensor-parallel N`` and (``pipeline=True``) ``--pipeline-parallel N
-    --micro-batches M --pipeline-schedule --pipeline-boundaries``."""
+def add_tensor_parallel_args(
+    parser: argparse.ArgumentParser, *, tensor: bool = True, pipeline: bool = True
+) -> None:
+    """``--tensor-parallel N`` (``tensor=True``: BERTs) and (``pipeline=True``)
+    ``--pipeline-parallel N --micro-batches M --pipeline-schedule --pipeline-boundaries``."""
     g = parser.add_argument_group("model parallelism (docs/model_parallel.md)")
-    g.add_argument(
-        "--tensor-parallel",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split every Transformer layer over N processes (Megatron's layout on DTensor); "
-        "the world (torchrun's processes) becomes WORLD/N data-parallel replicas of N ranks",
-    )
+    if not tensor:
+        parser.set_defaults(tensor_parallel=1)
+    else:
+        g.add_argument(
+            "--tensor-parallel",
+            type=int,
+            default=1,
+            metavar="N",
+            help="split every Transformer layer over N processes (Megatron's layout on "
+            "DTensor); the world (torchrun's processes) becomes WORLD/N data-parallel "
+            "replicas of N ranks",
+        )
     if not pipeline:
         return
     g.add_argument(

@@ -106,7 +106,8 @@ def _steps(path: Path) -> list[dict]:
 @pytest.mark.dist
 def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
     """2 workers x 32 == 1 worker x 64 in data order and initial weights; with the same
-    BatchNorm partition (1 worker x 32 x accumulate 2) the losses agree to float precision."""
+    BatchNorm partition (1 worker x 32 x accumulate 2) the losses agree to float precision,
+    and so do 2 pipeline stages over 2 micro-batches of 32 (``--pipeline-parallel 2``)."""
     env = {"MODELZOO_HOME": str(tmp_path / "home")}
     common = ["--max-steps", "3", "--log-interval", "1", "-j", "0", "--no-progress",
               "--warmup-epochs", "0", "--lr", "0.01"]  # fmt: skip
@@ -117,13 +118,18 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
          "--run-log", str(acc)],
         env,
     )  # fmt: skip
-    _run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(SCRIPT), *common, "--batch-size", "32", "--run-log", str(two)],
-        env,
-    )  # fmt: skip
-    a, b, c = _steps(one), _steps(acc), _steps(two)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+              "2", str(SCRIPT), *common]  # fmt: skip
+    _run([*launch, "--batch-size", "32", "--run-log", str(two)], env)
+    pipe = tmp_path / "pipe.jsonl"
+    _run([*launch, "--batch-size", "64", "--pipeline-parallel", "2", "--micro-batches", "2",
+          "--run-log", str(pipe)], env)  # fmt: skip
+    a, b, c, d = _steps(one), _steps(acc), _steps(two), _steps(pipe)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [r["step"] for r in c] == [1, 2, 3]
+    assert [r["step"] for r in d] == [1, 2, 3]
+    for rb, rd in zip(b, d, strict=True):  # the same micro-batches, BatchNorm partition, order
+        assert rd["loss"] == pytest.approx(rb["loss"], rel=1e-4), (rb, rd)
+        assert rd["accuracy"] == pytest.approx(rb["accuracy"], abs=1e-9)
     for ra, rb, rc in zip(a, b, c, strict=True):
         assert rc["lr"] == pytest.approx(ra["lr"], rel=1e-9)
         # Same BatchNorm partition of the same samples: equal up to float summation order.
