@@ -70,6 +70,7 @@ from trainers.cli import (
     add_optimizer_args,
     add_tensor_parallel_args,
     add_tensorboard_args,
+    apply_model_parallel,
     build_combiner,
     build_elastic,
     build_ema,
@@ -78,7 +79,6 @@ from trainers.cli import (
     export_source,
     optimizer_config,
     run_configs,
-    tensor_parallel_mesh,
     unsplit_for_saving,
 )
 from trainers.config import ElasticConfig
@@ -137,7 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_optimizer_args(p, default="lans")
     p.set_defaults(wd=0.01, no_wd=True, epsilon=1e-6)
     add_distributed_args(p)
-    add_tensor_parallel_args(p, pipeline=False)  # its decoder is tied to the embeddings
+    add_tensor_parallel_args(p)
     add_elastic_args(p)
     add_ema_args(p)
     add_gradient_checkpointing_args(p)
@@ -405,6 +405,14 @@ def pretraining_sums(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str,
     }
 
 
+def pipeline_inputs(batch: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """The model's inputs for ``--pipeline-parallel``: the attention mask as integers (all
+    ones where no sequence of the batch is padded: the stages pass a tensor on)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    mask = torch.ones_like(ids) if mask is None else mask.long()
+    return ids, batch["token_type_ids"], mask, batch["masked_positions"]
+
+
 def train_step(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict]:
     sums = pretraining_sums(model, batch)
     loss = sums["mlm_loss_sum"] / sums["mlm_count"].clamp(min=1)
@@ -603,8 +611,6 @@ def main(argv: list[str] | None = None) -> int:
             f"({train.directory}); {len(dev) if dev is not None else 0} held out"
         )
 
-    mesh = tensor_parallel_mesh(args, env)  # --tensor-parallel: (dp, tp); else None
-    dp_env = env if mesh is None else env.data_parallel(mesh["dp"])  # what the Trainer sees
     start = time.perf_counter()
     done = 0  # optimizer steps of the phases before the current one
     previous: Path | None = None
@@ -622,10 +628,12 @@ def main(argv: list[str] | None = None) -> int:
             break
         model = phase_model(args, phase, tokenizer, previous)
         model.bert.set_gradient_checkpointing(args.gradient_checkpointing)
-        if mesh is not None:
-            from trainers.parallel.tensor import parallelize_bert
-
-            parallelize_bert(model, mesh["tp"])
+        # --tensor-parallel / --pipeline-parallel: the model split, and the data-parallel view
+        # of the world that the Trainer sees
+        model, dp_env = apply_model_parallel(
+            args, env, model, inputs_of=pipeline_inputs,
+            batch_size=getattr(args, f"phase{phase}_batch_size"),
+        )  # fmt: skip
         trainer = run_phase(args, phase, limit, model, data[phase], dp_env, logger, resuming, done)
         final = dict(trainer.last_eval)
         for hook in trainer.hooks:

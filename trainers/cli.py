@@ -768,10 +768,13 @@ def apply_model_parallel(
     model: nn.Module,
     *,
     inputs_of: Callable[[Any], Sequence[torch.Tensor]] | None = None,
+    batch_size: int | None = None,
 ) -> tuple[nn.Module, DistEnv]:
     """``--tensor-parallel`` (:func:`apply_tensor_parallel`) or ``--pipeline-parallel N``:
     ``model`` as a :class:`trainers.parallel.PipelinedModel` over a ``(dp, pp)`` mesh, and the
-    data-parallel view of ``env``. ``inputs_of(batch)``: the model's positional inputs."""
+    data-parallel view of ``env``. ``inputs_of(batch)``: the model's positional inputs;
+    ``batch_size``: the per-rank batch to split into micro-batches (default
+    ``--batch-size``)."""
     pp = _degree(args, "pipeline_parallel")
     if pp == 1:
         return apply_tensor_parallel(args, env, model)
@@ -784,10 +787,11 @@ def apply_model_parallel(
     micro = args.micro_batches if args.micro_batches is not None else pp
     if micro < 1:
         raise SystemExit(f"--micro-batches must be >= 1, got {micro}")
-    if args.batch_size % micro:
+    batch = args.batch_size if batch_size is None else batch_size
+    if batch % micro:
         raise SystemExit(
-            f"--batch-size {args.batch_size} does not split into --micro-batches {micro}; "
-            "make the batch size a multiple of the micro-batches"
+            f"the batch size {batch} does not split into --micro-batches {micro}; make the "
+            "batch size a multiple of the micro-batches"
         )
     if inputs_of is None:
         raise SystemExit(f"--pipeline-parallel: {type(model).__name__} has no pipeline inputs")

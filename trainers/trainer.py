@@ -397,6 +397,8 @@ class Trainer:
 
     def _optimizer_step(self) -> float:
         """Combine, unscale, clip, set the lr, step, update the scaler; returns the lr."""
+        if self.pipeline is not None:  # parameters shared by stages (tied embeddings)
+            self.pipeline.reduce_tied_gradients()
         self.combiner.reduce_gradients(self.scaler)
         if self.config.clip_grad_norm is not None:
             if self.scaler is not None:

@@ -295,39 +295,54 @@ def test_published_large_batch_runs_compare_with_adam_at_equal_samples(name, rat
 
 
 @pytest.mark.dist
-def test_tensor_parallel_pretraining_equals_one_process(work, tmp_path):
-    """``--tensor-parallel 2`` on 2 processes: both phases (LANS, accumulation, evaluation,
-    the phase-1 model handed to phase 2) log the losses of one process, and the exported
-    model is the unsplit one with the same weights."""
+def test_model_parallel_pretraining_equals_one_process(work, tmp_path):
+    """``--tensor-parallel 2`` and ``--pipeline-parallel 2`` (the masked-LM decoder on the
+    last stage tied to the embeddings on the first) on 2 processes: both phases (LANS,
+    accumulation, evaluation, the phase-1 model handed to phase 2) log the losses of one
+    process, and the exported model is the unsplit one with the same weights. A pipeline's
+    micro-batches act as accumulation steps (the masked-LM loss is a mean over each
+    micro-batch's masked tokens), so its oracle is one process with batch 2 and twice the
+    accumulation."""
     import os
     import subprocess
 
     base = [*work["base"], "--dropout", "0"]
-    one, two = tmp_path / "one", tmp_path / "two"
+    one = tmp_path / "one"
     assert work["script"].main([*base, "--output_dir", str(one), "--run-log",
                                 str(one / "run.jsonl"), "--export-dir", str(one / "export")]) == 0  # fmt: skip
+    micro = tmp_path / "micro"  # batch 4 in micro-batches of 2 = batch 2, twice the steps
+    halved = [*base, "--phase1_batch_size", "2", "--phase1_accumulate", "4",
+              "--phase2_batch_size", "2", "--phase2_accumulate", "2"]  # fmt: skip
+    assert work["script"].main([*halved, "--output_dir", str(micro), "--run-log",
+                                str(micro / "run.jsonl"), "--export-dir", str(micro / "export")]) == 0  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "scripts" / "pretrain_bert.py"), *base, "--tensor-parallel", "2",
-         "--output_dir", str(two), "--run-log", str(two / "run.jsonl"),
-         "--export-dir", str(two / "export")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    split = {"tp": ["--tensor-parallel", "2"],
+             "pp": ["--pipeline-parallel", "2", "--micro-batches", "2"]}  # fmt: skip
+    for name, flags in split.items():
+        two = tmp_path / name
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", str(ROOT / "scripts" / "pretrain_bert.py"), *base, *flags,
+             "--output_dir", str(two), "--run-log", str(two / "run.jsonl"),
+             "--export-dir", str(two / "export")],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     fields = ("phase", "step", "loss", "mlm_loss", "nsp_loss")
-    runs = [
-        [r for r in _records(d / "run.jsonl") if r["kind"] in ("step", "eval")] for d in (one, two)
-    ]
-    assert [r["kind"] for r in runs[0]] == [r["kind"] for r in runs[1]]
-    assert sum(r["kind"] == "step" for r in runs[0]) == 6  # 4 + 2 steps
-    for a, b in zip(*runs, strict=True):
-        assert [a.get(f) for f in fields[:2]] == [b.get(f) for f in fields[:2]]
-        for f in fields[2:]:
-            if f in a:
-                assert b[f] == pytest.approx(a[f], rel=1e-5), (a, b)
     from safetensors.torch import load_file
 
-    wa, wb = (load_file(str(d / "export" / "model.safetensors")) for d in (one, two))
-    assert sorted(wa) == sorted(wb)
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+    for name in split:
+        two = tmp_path / name
+        ref = one if name == "tp" else micro
+        runs = [[r for r in _records(d / "run.jsonl") if r["kind"] in ("step", "eval")]
+                for d in (ref, two)]  # fmt: skip
+        assert [r["kind"] for r in runs[0]] == [r["kind"] for r in runs[1]]
+        assert sum(r["kind"] == "step" for r in runs[0]) == 6  # 4 + 2 steps
+        for a, b in zip(*runs, strict=True):
+            assert [a.get(f) for f in fields[:2]] == [b.get(f) for f in fields[:2]]
+            for f in fields[2:]:
+                if f in a:
+                    assert b[f] == pytest.approx(a[f], rel=1e-5), (name, a, b)
+        wa, wb = (load_file(str(d / "export" / "model.safetensors")) for d in (ref, two))
+        assert sorted(wa) == sorted(wb)
+        assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5, name

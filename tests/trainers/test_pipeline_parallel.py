@@ -65,8 +65,8 @@ def test_trainer_dp_by_pp_equals_one_process_and_resumes_bit_for_bit(measured):
         assert r["trainer_resume_err"] == 0.0, rank
         assert r["trainer_final_err"] < 1e-12, rank
         mine, ref = r["trainer_eval"]
-        assert set(mine) == set(ref) == {"loss"}
-        assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-12)
+        assert set(mine) == set(ref) == {"span_loss"}
+        assert mine["span_loss"] == pytest.approx(ref["span_loss"], rel=1e-12)
 
 
 def brute_force(costs, stages):
@@ -97,12 +97,21 @@ def test_balanced_boundaries_equal_brute_force(seed):
 
 def test_unsupported_models_and_bad_boundaries_are_clear_errors():
     from modelzoo.nlp.bert import BertConfig, BertForPretraining, BertForQuestionAnswering
-    from trainers.parallel.pipeline import balanced_boundaries, build_pipeline, model_blocks
+    from trainers.parallel.pipeline import (
+        _tied_parameters,
+        balanced_boundaries,
+        build_pipeline,
+        model_blocks,
+    )
 
     config = BertConfig(vocab_size=20, hidden_size=8, num_layers=2, num_heads=2,
                         intermediate_size=8, max_position_embeddings=8)  # fmt: skip
-    with pytest.raises(TypeError, match="ties its masked-LM decoder"):
-        model_blocks(BertForPretraining(config))
+    pretraining = BertForPretraining(config)
+    blocks = model_blocks(pretraining)  # embed, 2 layers, the heads with the tied decoder
+    assert len(blocks) == 4
+    tied = _tied_parameters(blocks, [0, 2, 4])
+    assert [(p is pretraining.bert.embeddings.word.weight, s) for p, s in tied] == [(True, [0, 1])]
+    assert _tied_parameters(blocks, [0, 4]) == []  # one stage holds both uses
     with pytest.raises(TypeError, match="no block chain for Linear"):
         model_blocks(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="5 stages for 4 blocks"):

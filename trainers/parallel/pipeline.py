@@ -45,27 +45,42 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 
 class _BertEmbed(nn.Module):
+    """Embeddings; the attention mask (and the masked positions, pretraining) travel on."""
+
     def __init__(self, embeddings: nn.Module) -> None:
         super().__init__()
         self.embeddings = embeddings
 
     def forward(
-        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, attention_mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.embeddings(input_ids, token_type_ids), attention_mask
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        *extra: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        return self.embeddings(input_ids, token_type_ids), attention_mask, *extra
 
 
 class _BertBlock(nn.Module):
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, bert: nn.Module) -> None:
         super().__init__()
         self.layer = layer
+        self.__dict__["bert"] = bert  # not a submodule: its gradient_checkpointing switch
 
     def forward(
-        self, x: torch.Tensor, attention_mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, attention_mask: torch.Tensor, *extra: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        from torch.utils.checkpoint import checkpoint
+
         from modelzoo.nlp.bert import _attention_mask
 
-        return self.layer(x, _attention_mask(attention_mask)), attention_mask
+        mask = _attention_mask(attention_mask)
+        recompute = getattr(self.bert, "gradient_checkpointing", False) and self.training
+        if recompute and torch.is_grad_enabled():
+            x = checkpoint(self.layer, x, mask, use_reentrant=False)
+        else:
+            x = self.layer(x, mask)
+        return x, attention_mask, *extra
 
 
 class _BertSpanHead(nn.Module):
@@ -77,6 +92,25 @@ class _BertSpanHead(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.span_classifier(x)
+
+
+class _BertPretrainingHead(nn.Module):
+    """Pooler, next-sentence head and the masked-LM head, whose decoder is the word embedding
+    matrix: the same parameter as the first block's (tied across the first and last stage).
+    Output: ``(mlm_logits (B, M, vocab), nsp_logits (B, 2))``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.pooler, self.mlm, self.nsp = model.bert.pooler, model.mlm, model.nsp
+        self.word = model.bert.embeddings.word
+
+    def forward(
+        self, x: torch.Tensor, attention_mask: torch.Tensor, masked_positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        pooled = torch.tanh(self.pooler(x[:, 0]))
+        index = masked_positions[..., None].expand(-1, -1, x.shape[-1])
+        h = torch.gather(x, 1, index)  # (B, M, C)
+        return self.mlm(h, self.word.weight), self.nsp(pooled)
 
 
 class _BertClassHead(nn.Module):
@@ -102,12 +136,14 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
 
     BERT span QA (``BertForQuestionAnswering``): inputs ``(input_ids, token_type_ids,
     attention_mask)``, output ``(B, T, 2)`` start/end logits. Sequence classification: output
-    ``(B, classes)``. ResNeSt: input images, output logits.
+    ``(B, classes)``. Pretraining (``BertForPretraining``): inputs ``(input_ids,
+    token_type_ids, attention_mask, masked_positions)``, output ``(mlm_logits, nsp_logits)``;
+    its masked-LM decoder is the word embedding matrix, so the first and the last block
+    share that parameter (:class:`PipelinedModel` sums its two gradients). ResNeSt: input
+    images, output logits.
 
     Raises:
-        TypeError: another model; ``BertForPretraining`` is refused because its masked-LM
-            decoder is tied to the word embeddings, which would sit on the first and the
-            last stage at once.
+        TypeError: another model.
     """
     from modelzoo.nlp.bert import (
         BertForPretraining,
@@ -119,7 +155,7 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
     if isinstance(model, (BertForQuestionAnswering, BertForSequenceClassification)):
         bert = model.bert
         blocks: list[nn.Module] = [_BertEmbed(bert.embeddings)]
-        blocks += [_BertBlock(layer) for layer in bert.layers]
+        blocks += [_BertBlock(layer, bert) for layer in bert.layers]
         if isinstance(model, BertForQuestionAnswering):
             blocks.append(_BertSpanHead(model.span_classifier))
         else:
@@ -133,13 +169,15 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
         blocks.append(_ResNeStHead(model))
         return blocks
     if isinstance(model, BertForPretraining):
-        raise TypeError(
-            "pipeline parallelism: BertForPretraining ties its masked-LM decoder to the word "
-            "embeddings, which would live on the first and the last stage; it is not split yet"
-        )
+        bert = model.bert
+        blocks = [_BertEmbed(bert.embeddings)]
+        blocks += [_BertBlock(layer, bert) for layer in bert.layers]
+        blocks.append(_BertPretrainingHead(model))
+        return blocks
     raise TypeError(
         f"pipeline parallelism: no block chain for {type(model).__name__}; supported: the "
-        "zoo's BertForQuestionAnswering, BertForSequenceClassification and ResNeSt"
+        "zoo's BertForPretraining, BertForQuestionAnswering, BertForSequenceClassification "
+        "and ResNeSt"
     )
 
 
@@ -331,11 +369,35 @@ def build_pipeline(
 
 def _output_wrapper(model: nn.Module) -> Callable[[Any], Any]:
     """Turns the last block's output back into ``model``'s own output type."""
-    from modelzoo.nlp.bert import BertForQuestionAnswering, SpanLogits
+    from modelzoo.nlp.bert import (
+        BertForPretraining,
+        BertForQuestionAnswering,
+        PretrainingOutput,
+        SpanLogits,
+    )
 
     if isinstance(model, BertForQuestionAnswering):
         return lambda out: SpanLogits(*out.unbind(-1))
+    if isinstance(model, BertForPretraining):
+        return lambda out: PretrainingOutput(*out)
     return lambda out: out
+
+
+def _tied_parameters(
+    blocks: Sequence[nn.Module], boundaries: Sequence[int]
+) -> list[tuple[nn.Parameter, list[int]]]:
+    """The parameters that blocks of more than one stage share, with those stages (in the
+    order of the blocks: the same list on every rank)."""
+    stages: dict[int, list[int]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for s in range(len(boundaries) - 1):
+        for block in blocks[boundaries[s] : boundaries[s + 1]]:
+            for p in block.parameters():
+                holders = stages.setdefault(id(p), [])
+                if s not in holders:
+                    holders.append(s)
+                params[id(p)] = p
+    return [(params[k], v) for k, v in stages.items() if len(v) > 1]
 
 
 class _Replay(nn.Module):
@@ -442,6 +504,7 @@ class PipelinedModel(nn.Module):
         self.__dict__["_blocks"] = blocks
         self.__dict__["_meta_blocks"] = None
         self._wrap = _output_wrapper(model)
+        self.__dict__["_tied"] = _tied_parameters(blocks, self.boundaries)
         self._pipes: dict[tuple[Any, ...], tuple[Any, Any]] = {}
         self._step_fn: Any = None
 
@@ -470,7 +533,11 @@ class PipelinedModel(nn.Module):
                 input_args=shapes[start], output_args=shapes[end], group=self.group,
             )  # fmt: skip
             cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
-            schedule = cls(stage, n_microbatches=self.micro_batches, loss_fn=self._loss)
+            # scale_grads=False: the schedule would divide *every* gradient by M after the
+            # step, also what earlier accumulation steps left there; the loss is divided instead
+            schedule = cls(
+                stage, n_microbatches=self.micro_batches, loss_fn=self._loss, scale_grads=False
+            )
             self._pipes[key] = (stage, schedule)
         return self._pipes[key][1]
 
@@ -478,7 +545,7 @@ class PipelinedModel(nn.Module):
         step_fn, batch, scale, records, rows = self._step_fn
         loss, metrics = step_fn(_Replay(self._wrap(output)), _take(batch, index, rows))
         records.append((loss.detach(), metrics))
-        return loss * scale if scale != 1.0 else loss
+        return loss * (scale / self.micro_batches)
 
     def train_step(
         self, step_fn: Callable[[nn.Module, Any], tuple[torch.Tensor, Any]], batch: Any,
@@ -524,15 +591,35 @@ class PipelinedModel(nn.Module):
         loss_value, metrics = payload[0]
         return torch.tensor(loss_value), metrics
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the whole model: the norm of every stage's
-        gradients together (one all-reduce over the group)."""
+    def reduce_tied_gradients(self) -> None:
+        """Sum the gradients of the parameters that several stages share (BERT pretraining's
+        word embeddings and masked-LM decoder) over those stages: each copy then gets the
+        gradient of the whole model and steps alike. One all-reduce per tied parameter over
+        the group (the stages without it send zeros); call once per optimizer step, after
+        the last backward (the Trainer does)."""
         import torch.distributed as dist
 
-        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+        for p, holders in self._tied:
+            mine = self.stage_index in holders
+            grad = p.grad if mine and p.grad is not None else None
+            buffer = grad if grad is not None else torch.zeros_like(p)
+            dist.all_reduce(buffer, group=self.group)
+            if mine and grad is None:
+                p.grad = buffer
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: the norm of every stage's
+        gradients together (one all-reduce over the group; a tied parameter counted once,
+        on the first stage that holds it)."""
+        import torch.distributed as dist
+
+        counted_elsewhere = {id(p) for p, holders in self._tied if holders[0] != self.stage_index}
+        params = [p for p in self.stage.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
         square = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in grads:
-            square += g.detach().double().pow(2).sum()
+        for p, g in zip(params, grads, strict=True):
+            if id(p) not in counted_elsewhere:
+                square += g.detach().double().pow(2).sum()
         if self.num_stages > 1:
             dist.all_reduce(square, group=self.group)
         total = square.sqrt()
