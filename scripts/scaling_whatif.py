@@ -31,7 +31,8 @@ step records after the first (for a multi-process log this includes this machine
 loopback communication, so it slightly over-estimates compute). The global batch of a step
 record is ``batch_size x accumulate x`` world size (the header's, or the latest ``membership``
 record's after an elastic restart; the data parts for ``--grad-combine coded``, whose ranks
-share data); ``scripts/train_gnn.py``'s full-graph steps are one
+share data; world / (tensor x pipeline degree) for a model-parallel run, whose ranks of one
+replica read the same batch); ``scripts/train_gnn.py``'s full-graph steps are one
 sample (the graph). A two-phase pretraining log (``scripts/pretrain_bert.py``: per-phase
 ``phase1_batch_size``, ``phase1_accumulate``, ``phase2_...``, no ``batch_size``) gives every
 step record the batch of the phase it ran in (its ``phase`` field; else its step number
@@ -331,10 +332,20 @@ def step_times(records: Sequence[dict[str, Any]]) -> list[float]:
     return times
 
 
+def model_parallel_degree(config: dict[str, Any]) -> int:
+    """Ranks that share one data shard because they hold parts of one model replica:
+    ``--tensor-parallel`` x ``--pipeline-parallel`` (1 for logs without them)."""
+    return int(config.get("tensor_parallel") or 1) * int(config.get("pipeline_parallel") or 1)
+
+
 def data_parts(header: dict[str, Any], world: int) -> int:
     """Distinct data shards of a global batch at ``world`` ranks: the world size, fewer for
-    a combiner whose ranks share data (``--grad-combine coded``), read from the header's
-    ``configs.combiner``; logs without it are taken as one shard a rank."""
+    a model split over ranks (``--tensor-parallel``/``--pipeline-parallel``: its replicas,
+    world / degree) or a combiner whose ranks share data (``--grad-combine coded``), read from
+    the header's ``configs.combiner``; logs without it are taken as one shard a rank."""
+    degree = model_parallel_degree(header.get("config") or {})
+    if degree > 1:
+        return world // degree
     combiner = (header.get("configs") or {}).get("combiner")
     if not combiner:
         return world

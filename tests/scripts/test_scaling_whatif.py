@@ -148,8 +148,14 @@ def _step_seconds(records: list[dict]) -> list[tuple[int, dict, float]]:
 
 
 def _parts(header: dict, world: int) -> int:
-    """Distinct data shards per step: CodedReduce's ranks share data (its tree's parts,
+    """Distinct data shards per step: the ranks of one tensor- or pipeline-parallel replica
+    read one batch (world / degree replicas); CodedReduce's ranks share data (its tree's parts,
     checked by hand in tests/trainers/test_coded.py); every other mode one shard a rank."""
+    config = header["config"]
+    degree = (config.get("tensor_parallel") or 1) * (config.get("pipeline_parallel") or 1)
+    if degree > 1:
+        assert world % degree == 0, (world, degree)
+        return world // degree
     combiner = (header.get("configs") or {}).get("combiner") or {}
     if combiner.get("mode") != "coded":
         return world
