@@ -1,0 +1,534 @@
+"""The placement planner (``trainers.parallel.plan``) against independent references.
+
+- the chain DP equals brute force over every boundary split, on random small instances;
+- faster links never give a slower best plan;
+- the memory limit holds, recomputed here from the profile by hand, and a tight one forces
+  pipeline or tensor splits; nothing feasible is a clear error with the least memory needed;
+- the ring all-reduce equals ``scripts/scaling_whatif.py``'s ``comm_time``;
+- the pipeline step time equals an event simulation of PyTorch's GPipe schedule (exactly)
+  and bounds that of its 1F1B schedule (equal when the stages are balanced), and the
+  simulation's live micro-batches per stage are the planner's;
+- a real tiny BERT's profile: parameter bytes per block sum to the model's, the sharded
+  bytes are Megatron's count, saved activations are positive and linear in the batch;
+- plan and profile JSON round trips, validation errors naming the file and field, atomic
+  writes; the command line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainers.parallel import plan as planner
+from trainers.parallel.plan import (
+    BlockProfile,
+    InfeasiblePlanError,
+    Network,
+    ParallelConfig,
+    Profile,
+    brute_force,
+    load_plan,
+    load_profile,
+    plan,
+    predict_step_time,
+    profile_model,
+    save_plan,
+    save_profile,
+    top_plans,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---- instances ----------------------------------------------------------------------------------
+
+
+def random_profile(rng: random.Random, n: int, *, batch: int = 4) -> Profile:
+    """A chain of ``n`` blocks: an embedding-like first block, Transformer-like middle blocks
+    (tensor-parallel), a small head; random costs."""
+    blocks = []
+    for k in range(n):
+        middle = 0 < k < n - 1
+        forward = rng.uniform(0.01, 0.1)
+        params = rng.uniform(1e6, 2e8)
+        acts = rng.uniform(1e6, 8e7)
+        blocks.append(
+            BlockProfile(
+                name=f"b{k}",
+                forward_s=forward,
+                backward_s=forward * rng.uniform(1.0, 3.0),
+                forward_fixed_s=forward * rng.uniform(0.0, 0.3),
+                activation_bytes=acts,
+                output_bytes=rng.uniform(1e5, 2e7),
+                param_bytes=params,
+                optimizer_s=rng.uniform(0.0, 0.01),
+                tensor_parallel=middle,
+                tp_param_bytes=params * 0.95 if middle else 0.0,
+                tp_activation_bytes=acts * 0.7 if middle else 0.0,
+                tp_allreduce_bytes=rng.uniform(1e5, 2e7) if middle else 0.0,
+            )
+        )
+    return Profile(
+        model="toy", batch=batch, blocks=tuple(blocks), seq_len=16,
+        tensor_parallel_degrees=(1, 2, 4, 8),
+    )  # fmt: skip
+
+
+def random_network(rng: random.Random, devices: int) -> Network:
+    sizes = {2: [2], 3: [3], 4: [2, 2], 6: [2, 3], 8: [2, 4]}[devices]
+    levels = [f"{s}:{rng.choice([10, 100, 1000])}:{rng.choice([1e-5, 1e-4, 1e-3])}" for s in sizes]
+    return Network.parse(",".join(levels), devices=devices)
+
+
+def instance(seed: int) -> tuple[Profile, Network, dict]:
+    rng = random.Random(seed)
+    profile = random_profile(rng, rng.randint(4, 8))
+    network = random_network(rng, rng.choice([2, 3, 4, 6, 8]))
+    options = {
+        "global_batch": rng.choice([8, 12, 16, 24]),
+        "memory_bytes": rng.uniform(3e8, 4e9),
+        "overlap": rng.choice([0.0, 0.5]),
+    }
+    return profile, network, options
+
+
+def best(search, profile, network, **options) -> tuple[str, float]:
+    try:
+        return "ok", search(profile, network, **options)[0].predicted_step_s
+    except InfeasiblePlanError as exc:
+        return "infeasible", exc.min_memory_bytes
+
+
+# ---- search ------------------------------------------------------------------------------------
+
+
+def test_planner_equals_brute_force_on_random_instances():
+    outcomes = []
+    for seed in range(40):
+        profile, network, options = instance(seed)
+        fast = best(top_plans, profile, network, k=3, **options)
+        slow = best(brute_force, profile, network, k=3, **options)
+        assert fast[0] == slow[0], (seed, fast, slow)
+        assert math.isclose(fast[1], slow[1], rel_tol=1e-9), (seed, fast, slow)
+        if fast[0] == "ok":  # the three best, too
+            a = top_plans(profile, network, k=3, **options)
+            b = brute_force(profile, network, k=3, **options)
+            assert [p.predicted_step_s for p in a] == pytest.approx(
+                [p.predicted_step_s for p in b], rel=1e-9
+            ), seed
+        outcomes.append(fast[0])
+    # both outcomes are exercised, and splits other than dp-only win on some
+    assert outcomes.count("ok") >= 15 and outcomes.count("infeasible") >= 3
+
+
+def test_faster_links_never_give_a_slower_best_plan():
+    checked = 0
+    for seed in range(30):
+        profile, network, options = instance(seed)
+        status, base = best(top_plans, profile, network, k=1, **options)
+        if status != "ok":
+            continue
+        for level in range(len(network.levels)):
+            for change in ({"gbps": 2.0}, {"gbps": 10.0}, {"latency": 0.5}, {"latency": 0.0}):
+                faster = plan(profile, network.scaled(level, **change), **options)
+                assert faster.predicted_step_s <= base * (1 + 1e-12), (seed, level, change)
+                checked += 1
+    assert checked >= 40
+
+
+def stage_memory_by_hand(profile: Profile, p) -> list[float]:
+    """phi W_s + n_s A_s(b), from the profile, written out here."""
+    b = p.global_batch // (p.data_parallel * p.micro_batches)
+    ratio, tp = b / profile.batch, p.tensor_parallel
+    out = []
+    for s in range(p.pipeline_parallel):
+        weights = acts = 0.0
+        for blk in profile.blocks[p.boundaries[s] : p.boundaries[s + 1]]:
+            w, a = blk.param_bytes, blk.activation_bytes * ratio
+            if blk.tensor_parallel:
+                w = w - blk.tp_param_bytes + blk.tp_param_bytes / tp
+                a = a - blk.tp_activation_bytes * ratio + blk.tp_activation_bytes * ratio / tp
+            weights += w
+            acts += a
+        held = p.micro_batches if p.schedule == "gpipe" else min(p.micro_batches, p.pipeline_parallel - s)  # fmt: skip
+        out.append(p.optimizer_state_factor * weights + held * acts)
+    return out
+
+
+def test_memory_limit_is_respected_and_a_tight_one_forces_model_splits():
+    for seed in range(25):
+        profile, network, options = instance(seed)
+        try:
+            plans = top_plans(profile, network, k=5, **options)
+        except InfeasiblePlanError:
+            continue
+        for p in plans:
+            by_hand = stage_memory_by_hand(profile, p)
+            assert max(by_hand) <= options["memory_bytes"]
+            assert p.memory_per_device_bytes == pytest.approx(max(by_hand), rel=1e-12)
+    # four 1 GB blocks: dp-only needs 4 x 4 GB of weights and state, more than 9 GB
+    blocks = tuple(
+        BlockProfile(
+            name=f"b{k}",
+            forward_s=0.1,
+            backward_s=0.2,
+            activation_bytes=1e7,
+            output_bytes=1e6,
+            param_bytes=1e9,
+            tensor_parallel=0 < k < 3,
+            tp_param_bytes=1e9 if 0 < k < 3 else 0.0,
+        )  # fmt: skip
+        for k in range(4)
+    )
+    heavy = Profile("heavy", 1, blocks, seq_len=8, tensor_parallel_degrees=(1, 2))
+    network = Network.parse("2:1000:1e-6,2:1000:1e-6")
+    free = plan(heavy, network, global_batch=8, memory_bytes=math.inf)
+    assert (free.tensor_parallel, free.pipeline_parallel) == (1, 1)  # dp-only is fastest
+    tight = plan(heavy, network, global_batch=8, memory_bytes=9e9)
+    assert tight.pipeline_parallel > 1 or tight.tensor_parallel > 1
+    assert max(stage_memory_by_hand(heavy, tight)) <= 9e9
+    with pytest.raises(InfeasiblePlanError) as info:
+        plan(heavy, network, global_batch=8, memory_bytes=2e9)
+    least = info.value.min_memory_bytes
+    assert "smallest memory" in str(info.value) and least > 2e9
+    # the stated least memory is exact: it fits, and a little less does not
+    assert plan(heavy, network, global_batch=8, memory_bytes=least).memory_per_device_bytes <= least
+    with pytest.raises(InfeasiblePlanError):
+        plan(heavy, network, global_batch=8, memory_bytes=least * 0.999)
+
+
+# ---- formulas ----------------------------------------------------------------------------------
+
+
+def _whatif():
+    spec = importlib.util.spec_from_file_location("whatif_for_plan", ROOT / "scripts" / "scaling_whatif.py")  # fmt: skip
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_allreduce_equals_scaling_whatif_comm_time():
+    whatif = _whatif()
+    for n in (1, 2, 3, 8, 64):
+        for gbps, latency in ((10.0, 1e-5), (400.0, 5e-6), (2400.0, 0.0)):
+            for size in (0.0, 1e3, 4e8):
+                w = whatif.Workload(compute_time=1.0, grad_bytes=size)
+                expected = whatif.comm_time(w, n, gbps, latency)
+                assert planner.allreduce_time(size, n, gbps, latency) == pytest.approx(expected, rel=1e-12)  # fmt: skip
+    # the planner's data-parallel all-reduce of each stage's gradient: one level, 4 replicas
+    rng = random.Random(0)
+    profile = random_profile(rng, 5)
+    network = Network.parse("4:25:2e-5")
+    config = ParallelConfig(1, 1, 4, 1, "1f1b", (0, 5))
+    pred = predict_step_time(profile, network, config, global_batch=8)
+    grad = sum(b.param_bytes for b in profile.blocks)
+    expected = whatif.comm_time(whatif.Workload(compute_time=1.0, grad_bytes=grad), 4, 25.0, 2e-5)
+    assert pred.breakdown["stages"][0]["dp_allreduce_s"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_groups_run_at_the_slowest_level_they_span_in_megatron_rank_order():
+    # rank = d * tp * pp + p * tp + t; levels of 2 devices, then 2 pairs, then 2 quads
+    network = Network.parse("2:1000:1e-6,2:100:1e-5,2:10:1e-4")
+    profile = random_profile(random.Random(2), 6)
+    config = ParallelConfig(2, 2, 2, 2, "1f1b", (0, 3, 6))
+    pred = predict_step_time(profile, network, config, global_batch=8)
+    # tp pairs {0,1}: level 0; pipeline hops {0,2}: level 1; dp pairs {0,4}: level 2
+    assert pred.breakdown["levels"] == {"tensor_parallel": 0, "data_parallel": 2, "pipeline": [1]}
+    ratio = 2 / profile.batch  # micro-batch 8 / (2 replicas x 2 micro-batches)
+    first = pred.breakdown["stages"][0]
+    expected_tp = sum(
+        4 * planner.allreduce_time(b.tp_allreduce_bytes * ratio, 2, 1000.0, 1e-6)
+        for b in profile.blocks[0:3]
+        if b.tensor_parallel
+    )
+    assert first["tp_allreduce_s"] == pytest.approx(expected_tp, rel=1e-12)
+    hop = profile.blocks[2].output_bytes * ratio / (100e9 / 8) + 1e-5  # its output's gradient
+    assert first["p2p_s"] == pytest.approx(hop, rel=1e-12)
+    weights = first["param_bytes"]
+    assert first["dp_allreduce_s"] == pytest.approx(
+        planner.allreduce_time(weights, 2, 10.0, 1e-4), rel=1e-12
+    )
+    # the slowest instance: with 3 devices per node, tp pair {2, 3} crosses nodes
+    odd = Network.parse("3:1000:1e-6,2:10:1e-4")
+    pred = predict_step_time(profile, odd, ParallelConfig(2, 1, 3, 1, "1f1b", (0, 6)), global_batch=6)  # fmt: skip
+    assert pred.breakdown["levels"]["tensor_parallel"] == 1
+    assert pred.breakdown["levels"]["data_parallel"] == 1
+
+
+def schedule_order(schedule: str, s: int, stages: int, micro: int) -> list[tuple[str, int]]:
+    """The op order of stage ``s`` in PyTorch's ScheduleGPipe / Schedule1F1B."""
+    if schedule == "gpipe":
+        return [("F", m) for m in range(micro)] + [("B", m) for m in range(micro)]
+    warmup = min(micro, stages - s)
+    ops = [("F", m) for m in range(warmup)]
+    forward, backward = warmup, 0
+    while True:
+        ops.append(("B", backward))
+        backward += 1
+        if forward == micro:
+            break
+        ops.append(("F", forward))
+        forward += 1
+    ops += [("B", m) for m in range(backward, micro)]
+    return ops
+
+
+def simulate(schedule: str, f: list[float], g: list[float], micro: int) -> tuple[float, list[int]]:
+    """Makespan and the most micro-batches alive (forward done, backward not) per stage, of
+    stages that run their ops in order; a forward waits for the previous stage's forward of
+    the same micro-batch, a backward for the next stage's backward (the last stage: its own
+    forward)."""
+    stages = len(f)
+    orders = [schedule_order(schedule, s, stages, micro) for s in range(stages)]
+    done: dict[tuple[str, int, int], float] = {}
+    clock, pos = [0.0] * stages, [0] * stages
+    alive, peak = [0] * stages, [0] * stages
+    progress = True
+    while progress:
+        progress = False
+        for s in range(stages):
+            while pos[s] < len(orders[s]):
+                kind, m = orders[s][pos[s]]
+                if kind == "F":
+                    dep = ("F", s - 1, m) if s > 0 else None
+                else:
+                    dep = ("B", s + 1, m) if s < stages - 1 else ("F", s, m)
+                if dep is not None and dep not in done:
+                    break
+                start = max(clock[s], done[dep] if dep else 0.0)
+                clock[s] = start + (f[s] if kind == "F" else g[s])
+                done[(kind, s, m)] = clock[s]
+                alive[s] += 1 if kind == "F" else -1
+                peak[s] = max(peak[s], alive[s])
+                pos[s] += 1
+                progress = True
+    assert all(pos[s] == len(orders[s]) for s in range(stages)), "deadlock"
+    return max(clock), peak
+
+
+def _pipeline_case(rng: random.Random, n: int, stages: int, balanced: bool):
+    """A profile at the micro-batch itself (no scaling), one network level, dp 1."""
+    fwd = [rng.uniform(0.01, 0.1) for _ in range(n)]
+    bwd = [x * rng.uniform(1.0, 3.0) for x in fwd]
+    out = [rng.uniform(1e5, 1e7) for _ in range(n)]
+    gbps, latency = rng.choice([1.0, 10.0, 100.0]), rng.choice([0.0, 1e-4, 1e-3])
+    if balanced:  # equal stages: equal blocks, no transfers (they would add to the end stages)
+        fwd, bwd, out, latency = [fwd[0]] * n, [bwd[0]] * n, [0.0] * n, 0.0
+    blocks = tuple(
+        BlockProfile(
+            name=f"b{k}",
+            forward_s=fwd[k],
+            backward_s=bwd[k],
+            activation_bytes=1.0,
+            output_bytes=out[k],
+            param_bytes=1.0,
+        )  # fmt: skip
+        for k in range(n)
+    )
+    network = Network.parse(f"{stages}:{gbps}:{latency}")
+    if balanced:
+        per = n // stages
+        bounds = tuple(range(0, n + 1, per))
+    else:
+        bounds = (0, *sorted(rng.sample(range(1, n), stages - 1)), n)
+    # per stage and micro-batch: the blocks' time plus receiving (input forward, output
+    # gradient backward) at S / B + a
+    rate = gbps * 1e9 / 8
+    f, g = [], []
+    for s in range(stages):
+        i, j = bounds[s], bounds[s + 1]
+        f.append(sum(fwd[i:j]) + (out[i - 1] / rate + latency if s > 0 else 0.0))
+        g.append(sum(bwd[i:j]) + (out[j - 1] / rate + latency if s < stages - 1 else 0.0))
+    return Profile("pipe", 1, blocks, seq_len=4), network, bounds, f, g
+
+
+@pytest.mark.parametrize("balanced", [False, True], ids=["random", "balanced"])
+def test_pipeline_time_against_an_event_simulation_of_the_schedules(balanced):
+    rng = random.Random(1 if balanced else 0)
+    worst_gap = 0.0
+    for _ in range(60):
+        stages = rng.choice([2, 3, 4])
+        n = stages * rng.randint(1, 3) if balanced else rng.randint(stages, 8)
+        profile, network, bounds, f, g = _pipeline_case(rng, n, stages, balanced)
+        micro = rng.randint(stages, 9)
+        for schedule in ("gpipe", "1f1b"):
+            config = ParallelConfig(1, stages, 1, micro, schedule, bounds)
+            pred = predict_step_time(profile, network, config, global_batch=micro)
+            simulated, peak = simulate(schedule, f, g, micro)
+            held = [st["in_flight"] for st in pred.breakdown["stages"]]
+            assert held == peak, (schedule, held, peak)
+            assert pred.breakdown["update_s"] == 0.0
+            if schedule == "gpipe" or balanced:
+                assert pred.step_s == pytest.approx(simulated, rel=1e-9), (schedule, f, g, micro)
+            else:  # 1F1B: the GPipe value bounds it
+                assert simulated <= pred.step_s * (1 + 1e-9)
+                worst_gap = max(worst_gap, 1 - simulated / pred.step_s)
+    if not balanced:
+        assert 0.0 < worst_gap < 0.5  # the bound is not always tight, and not far off
+
+
+# ---- profile -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_bert():
+    from modelzoo.nlp.bert import BertConfig, BertForQuestionAnswering
+
+    config = BertConfig(vocab_size=120, hidden_size=32, num_layers=2, num_heads=4,
+                        intermediate_size=64, max_position_embeddings=32)  # fmt: skip
+    torch.manual_seed(0)
+    return BertForQuestionAnswering(config)
+
+
+def test_profile_of_a_real_tiny_bert(tiny_bert):
+    a = profile_model(tiny_bert, seq_len=16, batch=2, repeats=2, warmup=1)
+    b = profile_model(tiny_bert, seq_len=16, batch=4, repeats=2, warmup=1)
+    model_bytes = sum(p.numel() * p.element_size() for p in tiny_bert.parameters())
+    assert sum(blk.param_bytes for blk in a.blocks) == model_bytes
+    assert [blk.name for blk in a.blocks] == ["embeddings", "layer0", "layer1", "head"]
+    assert [blk.tensor_parallel for blk in a.blocks] == [False, True, True, False]
+    assert a.tensor_parallel_degrees == (1, 2, 4)  # heads 4, intermediate 64
+    c, inner = 32, 64
+    # Megatron's shards: qkv and fc1 weight + bias, proj and fc2 weight (4 bytes each)
+    sharded = 4 * (3 * c * c + 3 * c + c * c + c * inner + inner + inner * c)
+    for x, y in zip(a.blocks, b.blocks, strict=True):
+        assert x.activation_bytes > 0 and x.forward_s > 0 and x.backward_s > 0
+        assert 1.8 <= y.activation_bytes / x.activation_bytes <= 2.2, x.name
+        if x.tensor_parallel:
+            assert x.tp_param_bytes == sharded
+            assert x.tp_allreduce_bytes == 2 * 16 * c * 4  # one (b, T, C) fp32 tensor
+            assert 0 < x.tp_activation_bytes < x.activation_bytes
+    # the hidden states and the (b, T) int64 mask travel between stages
+    assert a.blocks[0].output_bytes == 2 * 16 * c * 4 + 2 * 16 * 8
+    # a layer keeps at least its input, qkv output and feed-forward input and hidden units
+    assert a.blocks[1].activation_bytes >= 4 * 2 * 16 * (c + 3 * c + c + inner)
+
+
+def test_profile_json_round_trip_atomic_write_and_validation(tmp_path, tiny_bert):
+    profile = profile_model(tiny_bert, seq_len=8, batch=2, repeats=1, warmup=0, name="tiny")
+    path = save_profile(profile, tmp_path / "prof.json")
+    assert load_profile(path) == profile
+    data = json.loads(path.read_text())
+    data["blocks"][1]["forward_s"] = -1.0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"bad\.json.*blocks\[1\].*'forward_s'"):
+        load_profile(bad)
+    del data["blocks"][1]["forward_s"]
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"bad\.json.*blocks\[1\].*missing field 'forward_s'"):
+        load_profile(bad)
+    bad.write_text(json.dumps({**json.loads(path.read_text()), "image_size": 32}))
+    with pytest.raises(ValueError, match="exactly one of the fields 'seq_len'"):
+        load_profile(bad)
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match=r"bad\.json: not a readable JSON profile"):
+        load_profile(bad)
+
+
+# ---- plan files --------------------------------------------------------------------------------
+
+
+def _small_plan():
+    profile, network, options = instance(3)
+    return profile, network, options, plan(profile, network, **options)
+
+
+def test_plan_json_round_trip_and_validation_errors(tmp_path):
+    profile, network, options, best_plan = _small_plan()
+    path = save_plan(best_plan, tmp_path / "plan.json")
+    back = load_plan(path)
+    assert back == best_plan
+    assert back.flags() == {
+        "tensor_parallel": best_plan.tensor_parallel,
+        "pipeline_parallel": best_plan.pipeline_parallel,
+        "micro_batches": best_plan.micro_batches,
+        "schedule": best_plan.schedule,
+        "boundaries": list(best_plan.boundaries),
+    }
+    # the file's prediction is the model's for its placement
+    again = predict_step_time(profile, network, back.config, global_batch=back.global_batch,
+                              overlap=back.overlap)  # fmt: skip
+    assert again.step_s == pytest.approx(back.predicted_step_s, rel=1e-12)
+    good = json.loads(path.read_text())
+    cases = {
+        "schedule": ("zigzag", "'schedule' must be one of"),
+        "boundaries": ([0, 0], "'boundaries'"),
+        "data_parallel": (good["data_parallel"] + 1, "'data_parallel'"),
+        "micro_batches": (0, "'micro_batches' must be >= 1"),
+        "network": ("3:10:1e-5", "'network'"),
+        "format": (2, "'format'"),
+        "predicted_step_s": ("fast", "'predicted_step_s' must be a finite number"),
+        "tensor_parallel": (True, "'tensor_parallel' must be an integer"),
+        "extra": (1, "unknown field"),
+    }
+    for key, (value, message) in cases.items():
+        bad = tmp_path / f"bad_{key}.json"
+        bad.write_text(json.dumps({**good, key: value}))
+        with pytest.raises(ValueError) as info:
+            load_plan(bad)
+        assert str(bad) in str(info.value) and message in str(info.value), (key, info.value)
+    missing = {k: v for k, v in good.items() if k != "global_batch"}
+    (tmp_path / "missing.json").write_text(json.dumps(missing))
+    with pytest.raises(ValueError, match="missing field 'global_batch'"):
+        load_plan(tmp_path / "missing.json")
+
+
+def test_plan_write_is_atomic(tmp_path, monkeypatch):
+    *_, best_plan = _small_plan()
+    path = save_plan(best_plan, tmp_path / "plan.json")
+    before = path.read_bytes()
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        save_plan(best_plan, path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]  # no temporary left
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+
+def test_cli_with_a_profile_file(tmp_path, capsys):
+    profile, network, options, expected = _small_plan()
+    prof = save_profile(profile, tmp_path / "prof.json")
+    out = tmp_path / "plan.json"
+    argv = ["--profile", str(prof), "--global-batch", str(options["global_batch"]),
+            "--devices", str(network.devices), "--memory-gb", str(options["memory_bytes"] / 2**30),
+            "--network", str(network), "--overlap", str(options["overlap"]), "--top", "3"]  # fmt: skip
+    assert planner.main([*argv, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "step s" in printed and "best plan, per stage" in printed
+    written = load_plan(out)
+    assert written.predicted_step_s == pytest.approx(expected.predicted_step_s, rel=1e-9)
+    assert written.config == expected.config
+    # errors name the flag and say what to do
+    with pytest.raises(SystemExit) as info:
+        planner.main([*argv[:-8], "--network", "7:10:1e-5", "--memory-gb", "1"])
+    assert info.value.code == 2
+    assert "--network" in capsys.readouterr().err
+    assert planner.main([*argv, "--memory-gb", "1e-6"]) == 2
+    assert "smallest memory any needs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        planner.main([*argv, "--micro-batches", "2,x"])
+    assert "--micro-batches" in capsys.readouterr().err
+    # the module runs as a program
+    result = subprocess.run(
+        [sys.executable, "-m", "trainers.parallel.plan", *argv], cwd=ROOT, capture_output=True,
+        text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "best plan, per stage" in result.stdout
