@@ -71,6 +71,7 @@ from trainers.cli import (
     add_tensor_parallel_args,
     add_tensorboard_args,
     apply_model_parallel,
+    apply_plan,
     build_combiner,
     build_ema,
     build_optimizer,
@@ -465,6 +466,8 @@ def build_tokenizer(args: argparse.Namespace, progress: bool) -> BertTokenizer:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = DistEnv.from_env()
+    apply_plan(args, env, model_name=args.bert_model, batch_size=args.batch_size,
+               accumulate=args.accumulate, seq_len=args.max_seq_length)  # fmt: skip
     command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     output_dir = Path(args.output_dir)
     logger = RunLogger(

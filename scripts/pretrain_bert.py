@@ -71,6 +71,7 @@ from trainers.cli import (
     add_tensor_parallel_args,
     add_tensorboard_args,
     apply_model_parallel,
+    apply_plan,
     build_combiner,
     build_elastic,
     build_ema,
@@ -257,6 +258,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"--phase{phase}-max-seq-length exceeds --max-position-embeddings "
                 f"{args.max_position_embeddings}"
             )
+    if args.plan and len(args.phase_list) > 1:
+        p.error(
+            "--plan places one phase (its batch and sequence length): run --phases 1 and "
+            "--phases 2 separately, each with its own plan"
+        )
     if args.phase_list == [2] and args.phase1_model is None and not args.resume:
         p.error("--phases 2 needs --phase1-model DIR (a phase-1 <output_dir>/phase1/model)")
     return args
@@ -587,6 +593,12 @@ def run_phase(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = DistEnv.from_env()
+    n = args.phase_list[0]  # --plan runs one phase
+    apply_plan(
+        args, env, model_name=args.bert_model, batch_size=getattr(args, f"phase{n}_batch_size"),
+        accumulate=getattr(args, f"phase{n}_accumulate"),
+        seq_len=getattr(args, f"phase{n}_max_seq_length"),
+    )  # fmt: skip
     command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     output_dir = Path(args.output_dir)
     first = _phase_elastic(args, args.phase_list[0])

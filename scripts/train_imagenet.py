@@ -49,6 +49,7 @@ from trainers.cli import (
     add_tensor_parallel_args,
     add_tensorboard_args,
     apply_model_parallel,
+    apply_plan,
     build_combiner,
     build_elastic,
     build_ema,
@@ -310,6 +311,8 @@ def _resume_path(args: argparse.Namespace) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = DistEnv.from_env()
+    apply_plan(args, env, model_name=args.model, batch_size=args.batch_size,
+               accumulate=args.accumulate, image_size=args.input_size)  # fmt: skip
     command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     run_log = args.run_log or next(
         (str(Path(d) / "run.jsonl") for d in (args.save_dir, args.elastic_dir) if d), None

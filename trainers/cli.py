@@ -43,6 +43,7 @@ __all__ = [
     "add_tensorboard_args",
     "add_tensor_parallel_args",
     "apply_model_parallel",
+    "apply_plan",
     "apply_tensor_parallel",
     "tensor_parallel_mesh",
     "unsplit_for_saving",
@@ -655,6 +656,15 @@ def add_tensor_parallel_args(
             "DTensor); the world (torchrun's processes) becomes WORLD/N data-parallel "
             "replicas of N ranks",
         )
+    g.add_argument(
+        "--plan",
+        type=str,
+        default=None,
+        metavar="FILE",
+        help="a placement from the planner (python -m trainers.parallel.plan ... --json FILE): "
+        "its tensor/pipeline degrees, micro-batches, schedule and stage boundaries; the run's "
+        "world size, model and global batch must be the plan's",
+    )
     if not pipeline:
         return
     g.add_argument(
@@ -676,9 +686,9 @@ def add_tensor_parallel_args(
     g.add_argument(
         "--pipeline-schedule",
         choices=("1f1b", "gpipe"),
-        default="1f1b",
-        help="1f1b: one forward, one backward (activations of at most N micro-batches); "
-        "gpipe: all forwards, then all backwards",
+        default=None,
+        help="1f1b (the default): one forward, one backward (activations of at most N "
+        "micro-batches); gpipe: all forwards, then all backwards",
     )
     g.add_argument(
         "--pipeline-boundaries",
@@ -747,6 +757,126 @@ def tensor_parallel_mesh(args: argparse.Namespace, env: DistEnv) -> Any:
     )
 
 
+# What --plan sets, and each flag's value when it is not given on the command line.
+_PLAN_FLAGS = (
+    ("tensor_parallel", "--tensor-parallel", 1),
+    ("pipeline_parallel", "--pipeline-parallel", 1),
+    ("micro_batches", "--micro-batches", None),
+    ("pipeline_schedule", "--pipeline-schedule", None),
+    ("pipeline_boundaries", "--pipeline-boundaries", None),
+)
+
+
+def apply_plan(
+    args: argparse.Namespace,
+    env: DistEnv,
+    *,
+    model_name: str | None,
+    batch_size: int,
+    accumulate: int,
+    seq_len: int | None = None,
+    image_size: int | None = None,
+) -> None:
+    """``--plan FILE``: set the model-parallel flags of ``args`` from the planner's plan
+    (:func:`trainers.parallel.plan.load_plan`), after checking that this run is the one
+    planned: the world size is the plan's devices, ``model_name`` (when the script knows it)
+    the plan's model, and ``batch_size x accumulate`` per rank the plan's global batch over its
+    data-parallel replicas (pipeline: one batch of ``micro_batches`` micro-batches, no
+    accumulation; otherwise ``micro_batches`` accumulation steps). A flag given on the command
+    line with another value than the plan's is an error. Call it before the run-log header
+    is written, so that the header holds the placement the run uses; the plan's predicted
+    step time and its memory are printed on rank 0. Does nothing without ``--plan``."""
+    path = getattr(args, "plan", None)
+    if not path:
+        return
+    from .parallel.plan import load_plan  # noqa: PLC0415 (only with --plan)
+
+    try:
+        plan = load_plan(path)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--plan {path}: {err}") from None
+    pp, tp, dp, micro = (plan.pipeline_parallel, plan.tensor_parallel, plan.data_parallel,
+                         plan.micro_batches)  # fmt: skip
+    if plan.devices != env.world_size:
+        raise SystemExit(
+            f"--plan {path} places {plan.devices} devices (tp {tp} x pp {pp} x dp {dp}); this "
+            f"run has {env.world_size} process(es): start it with that many (torchrun "
+            "--nproc-per-node / --nnodes) or plan for this world size"
+        )
+    if model_name is not None and plan.model != model_name:
+        raise SystemExit(
+            f"--plan {path} was made for the model {plan.model!r}; this run trains "
+            f"{model_name!r}: plan this model (python -m trainers.parallel.plan --model "
+            f"{model_name} ...)"
+        )
+    if seq_len is not None and plan.seq_len is not None and plan.seq_len != seq_len:
+        raise SystemExit(
+            f"--plan {path} was profiled at sequence length {plan.seq_len}; this run uses "
+            f"{seq_len}: plan with --seq-len {seq_len} or run at {plan.seq_len}"
+        )
+    if image_size is not None and plan.image_size is not None and plan.image_size != image_size:
+        raise SystemExit(
+            f"--plan {path} was profiled at image size {plan.image_size}; this run uses "
+            f"{image_size}: plan with --image-size {image_size} or run at {plan.image_size}"
+        )
+    per_replica = plan.global_batch // dp
+    want = (per_replica, 1) if pp > 1 else (per_replica // micro, micro)
+    if (batch_size, accumulate) != want:
+        what = "one batch in" if pp > 1 else "accumulation steps of"
+        raise SystemExit(
+            f"--plan {path} is for a global batch of {plan.global_batch} = dp {dp} x "
+            f"{per_replica} per replica, {what} {micro} micro-batches of "
+            f"{per_replica // micro}; this run has a batch of {batch_size} per rank x "
+            f"accumulate {accumulate}: pass a batch size of {want[0]} and accumulate {want[1]}"
+        )
+    values: dict[str, Any] = {"tensor_parallel": tp, "pipeline_parallel": pp}
+    if pp > 1:
+        values.update(micro_batches=micro, pipeline_schedule=plan.schedule,
+                      pipeline_boundaries=list(plan.boundaries))  # fmt: skip
+    for name, flag, unset in _PLAN_FLAGS:
+        if name not in values:
+            continue
+        if not hasattr(args, name):
+            if values[name] != unset:
+                raise SystemExit(f"--plan {path} needs {flag} {values[name]}, which this "
+                                 "script does not offer")  # fmt: skip
+            continue
+        given = getattr(args, name)
+        if given != unset and given != values[name]:
+            raise SystemExit(
+                f"{flag} {given} contradicts --plan {path}, which sets {values[name]}; "
+                f"drop {flag} or the plan"
+            )
+        setattr(args, name, values[name])
+    if env.is_main:
+        print(
+            f"--plan {path}: tp {tp} x pp {pp} x dp {dp}, {micro} micro-batch(es), "
+            f"{plan.schedule}, boundaries {list(plan.boundaries)}; predicted step "
+            f"{plan.predicted_step_s:.4g} s, {plan.memory_per_device_bytes / 2**30:.2f} GiB "
+            "per device",
+            file=sys.stderr,
+        )
+
+
+def _check_plan_blocks(path: str, model: nn.Module) -> None:
+    """The model a run builds has the planned model's number of pipeline blocks
+    (:func:`~trainers.parallel.pipeline.model_blocks`), so the plan's boundaries cut it where
+    the planner meant."""
+    from .parallel.pipeline import model_blocks  # noqa: PLC0415
+    from .parallel.plan import load_plan  # noqa: PLC0415
+
+    planned = load_plan(path).profile.get("blocks")
+    try:
+        blocks = len(model_blocks(model))
+    except TypeError:
+        return  # a model the pipeline cannot cut: the degrees are all the plan gives it
+    if planned is not None and planned != blocks:
+        raise SystemExit(
+            f"--plan {path} was profiled on a model of {planned} blocks; this run's model has "
+            f"{blocks}: plan the model this run builds"
+        )
+
+
 def apply_tensor_parallel(
     args: argparse.Namespace, env: DistEnv, model: nn.Module
 ) -> tuple[nn.Module, DistEnv]:
@@ -774,7 +904,11 @@ def apply_model_parallel(
     ``model`` as a :class:`trainers.parallel.PipelinedModel` over a ``(dp, pp)`` mesh, and the
     data-parallel view of ``env``. ``inputs_of(batch)``: the model's positional inputs;
     ``batch_size``: the per-rank batch to split into micro-batches (default
-    ``--batch-size``)."""
+    ``--batch-size``). With ``--plan`` (already applied by :func:`apply_plan`), ``model`` must
+    have as many blocks as the planned one."""
+    batch = args.batch_size if batch_size is None else batch_size
+    if getattr(args, "plan", None):
+        _check_plan_blocks(args.plan, model)
     pp = _degree(args, "pipeline_parallel")
     if pp == 1:
         return apply_tensor_parallel(args, env, model)
@@ -787,7 +921,6 @@ def apply_model_parallel(
     micro = args.micro_batches if args.micro_batches is not None else pp
     if micro < 1:
         raise SystemExit(f"--micro-batches must be >= 1, got {micro}")
-    batch = args.batch_size if batch_size is None else batch_size
     if batch % micro:
         raise SystemExit(
             f"the batch size {batch} does not split into --micro-batches {micro}; make the "
@@ -805,7 +938,7 @@ def apply_model_parallel(
     try:
         pipelined = PipelinedModel(
             model, group=mesh["pp"].get_group(), micro_batches=micro, inputs_of=inputs_of,
-            schedule=args.pipeline_schedule, boundaries=args.pipeline_boundaries,
+            schedule=args.pipeline_schedule or "1f1b", boundaries=args.pipeline_boundaries,
             device=env.device,
         )  # fmt: skip
     except (TypeError, ValueError) as err:

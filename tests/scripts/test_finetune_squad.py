@@ -226,10 +226,11 @@ def test_fine_tuning_minilm_beats_the_untuned_model_on_held_out_questions(tmp_pa
 
 @pytest.mark.dist
 def test_model_parallel_fine_tuning_equals_one_process(tmp_path):
-    """``--tensor-parallel 2`` and ``--pipeline-parallel 2 --micro-batches 2`` on 2 processes
-    (one replica split in two) train the same model as one process: same losses, same weights
-    up to float32 rounding of the split sums, same predictions; the saved model is the
-    ordinary unsplit directory."""
+    """``--tensor-parallel 2``, ``--pipeline-parallel 2 --micro-batches 2`` and the planner's
+    plan (``--plan``: on a 1 Gbps link it picks 2 GPipe stages, boundaries from the profile) on
+    2 processes (one replica split in two) train the same model as one process: same losses,
+    same weights up to float32 rounding of the split sums, same predictions; the saved model
+    is the ordinary unsplit directory."""
     from safetensors.torch import load_file
 
     data = _tiny_set(tmp_path / "tiny.json")
@@ -238,6 +239,17 @@ def test_model_parallel_fine_tuning_equals_one_process(tmp_path):
               "--batch_size", "2", "--test_batch_size", "3", "--epochs", "1", "--lr", "1e-3",
               "--log_interval", "1", "--dropout", "0", "--optimizer", "lamb"]  # fmt: skip
     runs = {}
+    plan_file = tmp_path / "plan.json"
+    made = subprocess.run(
+        [sys.executable, "-m", "trainers.parallel.plan", "--model", "minilm_l6_h384",
+         "--seq-len", "64", "--global-batch", "2", "--devices", "2", "--memory-gb", "16",
+         "--network", "2:1:1e-4", "--max-tp", "1", "--schedules", "gpipe", "--profile-batch",
+         "2", "--profile-repeats", "1", "--json", str(plan_file)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr[-3000:]
+    plan = json.loads(plan_file.read_text())
+    assert (plan["pipeline_parallel"], plan["micro_batches"]) == (2, 2), plan
     two = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", str(SCRIPT)]  # fmt: skip
     for name, launch in (
@@ -245,6 +257,7 @@ def test_model_parallel_fine_tuning_equals_one_process(tmp_path):
         ("tp", [*two, "--tensor-parallel", "2"]),
         ("pp", [*two, "--pipeline-parallel", "2", "--micro-batches", "2",
                 "--pipeline-schedule", "gpipe"]),
+        ("plan", [*two, "--plan", str(plan_file)]),
     ):  # fmt: skip
         out = tmp_path / name
         result = subprocess.run(
@@ -253,15 +266,22 @@ def test_model_parallel_fine_tuning_equals_one_process(tmp_path):
         )  # fmt: skip
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         runs[name] = out
-    one, tp, pp = (_records(runs[k] / "run.jsonl") for k in ("one", "tp", "pp"))
+    one, tp, pp, planned = (_records(runs[k] / "run.jsonl") for k in ("one", "tp", "pp", "plan"))
     assert tp[0]["world_size"] == 2 and pp[0]["world_size"] == 2
     assert pp[0]["config"]["pipeline_parallel"] == 2
-    losses = [[r["loss"] for r in recs if r["kind"] == "step"] for recs in (one, tp, pp)]
+    # the plan's placement is what the run used
+    config = planned[0]["config"]
+    assert (config["pipeline_parallel"], config["micro_batches"], config["pipeline_schedule"],
+            config["pipeline_boundaries"]) == (2, 2, plan["schedule"], plan["boundaries"])  # fmt: skip
+    losses = [[r["loss"] for r in recs if r["kind"] == "step"] for recs in (one, tp, pp, planned)]
     assert len(losses[0]) == 4
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     assert losses[2] == pytest.approx(losses[0], rel=1e-5)
+    assert losses[3] == pytest.approx(losses[0], rel=1e-5)
     a, b, c = (load_file(str(runs[k] / "model.safetensors")) for k in ("one", "tp", "pp"))
     assert sorted(a) == sorted(b) == sorted(c)
+    d = load_file(str(runs["plan"] / "model.safetensors"))
+    assert max((a[k] - d[k]).abs().max().item() for k in a if k != "qa_outputs.bias") < 1e-5
     # qa_outputs.bias shifts every position's start (end) logit alike, so the softmax over
     # positions makes its gradient exactly zero: what it holds is rounding noise that Adam's
     # normalisation blows up to ~lr, different in every summation order. Not compared.

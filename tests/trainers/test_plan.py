@@ -532,3 +532,86 @@ def test_cli_with_a_profile_file(tmp_path, capsys):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "best plan, per stage" in result.stdout
+
+
+def _plan_file(tmp_path, name: str, **fields) -> Path:
+    """A valid plan file (the planner's) with its placement replaced by ``fields``."""
+    _, _, _, made = _small_plan()
+    data = {**made.to_dict(), "network": f"{fields.get('devices', 4)}:10:1e-5", **fields}
+    data["profile"] = {**data["profile"], "blocks": data["boundaries"][-1]}
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    load_plan(path)  # a plan the loader takes
+    return path
+
+
+def _args(**given):
+    import types
+
+    from trainers.cli import _PLAN_FLAGS
+
+    return types.SimpleNamespace(**{**{name: unset for name, _, unset in _PLAN_FLAGS}, **given})
+
+
+def test_scripts_plan_flag_sets_the_placement_and_refuses_another_run(tmp_path):
+    """``--plan`` (trainers.cli.apply_plan): the plan's degrees, micro-batches, schedule and
+    boundaries become the flags; a run of another size, model, batch or sequence length, or a
+    flag that contradicts the plan, is refused with a message naming what to change; a model
+    of another block count than the profiled one too."""
+    import types
+
+    from trainers.cli import apply_plan
+
+    world = types.SimpleNamespace(world_size=4, is_main=False)
+    pipe = _plan_file(tmp_path, "pp.json", model="tiny", seq_len=64, devices=4, global_batch=16,
+                      tensor_parallel=1, pipeline_parallel=2, data_parallel=2, micro_batches=4,
+                      schedule="gpipe", boundaries=[0, 2, 5])  # fmt: skip
+    args = _args(plan=str(pipe))
+    apply_plan(args, world, model_name="tiny", batch_size=8, accumulate=1, seq_len=64)
+    assert (args.tensor_parallel, args.pipeline_parallel, args.micro_batches,
+            args.pipeline_schedule, args.pipeline_boundaries) == (1, 2, 4, "gpipe", [0, 2, 5])  # fmt: skip
+    # without pipeline stages the plan's micro-batches are accumulation steps
+    tp = _plan_file(tmp_path, "tp.json", model="tiny", seq_len=64, devices=4, global_batch=16,
+                    tensor_parallel=2, pipeline_parallel=1, data_parallel=2, micro_batches=2,
+                    schedule="1f1b", boundaries=[0, 5])  # fmt: skip
+    args = _args(plan=str(tp))
+    apply_plan(args, world, model_name="tiny", batch_size=4, accumulate=2, seq_len=64)
+    assert (args.tensor_parallel, args.pipeline_parallel, args.micro_batches,
+            args.pipeline_boundaries) == (2, 1, None, None)  # fmt: skip
+    refused = {
+        "processes": ({"world": types.SimpleNamespace(world_size=2, is_main=False)}, "4 devices"),
+        "model": ({"model_name": "other"}, "'tiny'"),
+        "batch": ({"batch_size": 4}, "pass a batch size of 8 and accumulate 1"),
+        "accumulation": ({"batch_size": 4, "accumulate": 2}, "batch size of 8 and accumulate 1"),
+        "sequence": ({"seq_len": 128}, "--seq-len 128"),
+        "flag": ({"given": {"pipeline_schedule": "1f1b"}}, "--pipeline-schedule 1f1b contradicts"),
+    }
+    for case, (change, message) in refused.items():
+        options = {"model_name": "tiny", "batch_size": 8, "accumulate": 1, "seq_len": 64,
+                   **change}  # fmt: skip
+        run_world = options.pop("world", world)
+        args = _args(plan=str(pipe), **options.pop("given", {}))
+        with pytest.raises(SystemExit) as info:
+            apply_plan(args, run_world, **options)
+        assert str(pipe) in str(info.value) and message in str(info.value), (case, info.value)
+    # the flag given with the plan's own value is fine
+    args = _args(plan=str(pipe), pipeline_parallel=2, micro_batches=4)
+    apply_plan(args, world, model_name="tiny", batch_size=8, accumulate=1, seq_len=64)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit, match="bad.json.*missing field"):
+        apply_plan(_args(plan=str(bad)), world, model_name=None, batch_size=8, accumulate=1)
+    from trainers.cli import _check_plan_blocks
+
+    bert = _tiny_bert_model()
+    _check_plan_blocks(str(pipe), bert)  # 5 blocks: embeddings, 3 layers, the head
+    with pytest.raises(SystemExit, match="5 blocks; this run's model has 6"):
+        _check_plan_blocks(str(pipe), _tiny_bert_model(layers=4))
+
+
+def _tiny_bert_model(layers: int = 3):
+    from modelzoo.nlp.bert import BertConfig, BertForQuestionAnswering
+
+    return BertForQuestionAnswering(BertConfig(vocab_size=50, hidden_size=16, num_layers=layers,
+                                               num_heads=2, intermediate_size=32,
+                                               max_position_embeddings=16))  # fmt: skip
