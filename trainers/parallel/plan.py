@@ -1884,6 +1884,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         save_plan(plans[0], args.json)
         print(f"\nwrote {args.json}")
+        if not plans[0].runtime_supported():
+            print(
+                "note: this plan combines tensor and pipeline parallelism, which the training "
+                "scripts' --plan does not run yet; --runtime-only writes the best plan they run",
+                file=sys.stderr,
+            )
     return 0
 
 
