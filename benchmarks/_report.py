@@ -55,6 +55,8 @@ def machine() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        # other work on the machine while this ran (1-minute load average against the cores)
+        "load_average": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
 
@@ -63,7 +65,7 @@ def machine_line() -> str:
     gpu = f", GPU {m['cuda']}" if m["cuda"] else ""
     return (
         f"machine: {m['cpu']} ({m['cores']} cores), CPU capability {m['cpu_capability']}, "
-        f"{m['threads']} threads, torch {m['torch']}{gpu}"
+        f"{m['threads']} threads, torch {m['torch']}{gpu}, load average {m['load_average']}"
     )
 
 
@@ -118,3 +120,38 @@ def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def add_args(parser: Any, *, rounds: int = 7) -> None:
+    """``--rounds`` (paired rounds, at least :data:`MIN_ROUNDS`) and ``--json FILE``."""
+    parser.add_argument("--rounds", type=int, default=rounds,
+                        help=f"paired rounds, ours and the peer alternating (>= {MIN_ROUNDS})")  # fmt: skip
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="also write the rounds, the ratio and the machine here "
+                        "(benchmarks/make_doc.py reads benchmarks/results/*.json)")  # fmt: skip
+
+
+def finish(
+    json_path: str | None,
+    name: str,
+    ours: Sequence[float],
+    peer: Sequence[float],
+    *,
+    ours_label: str,
+    peer_label: str,
+    target: float | None = None,
+    unit: str = "s",
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Print the machine, both sides' spread and, last, ``ratio=``; write the JSON result to
+    ``json_path`` when given. Returns the result."""
+    out = result(name, ours, peer, ours_label=ours_label, peer_label=peer_label, target=target,
+                 unit=unit, extra=extra)  # fmt: skip
+    print(machine_line())
+    print(f"ours ({ours_label}): {spread(ours, unit)}")
+    print(f"peer ({peer_label}): {spread(peer, unit)}")
+    if json_path:
+        write_json(json_path, out)
+        print(f"wrote {json_path}")
+    print(f"ratio={out['ratio']:.3f}")
+    return out
