@@ -22,6 +22,7 @@ evaluation can exclude bad files before the first batch rather than substitute t
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import operator
 import os
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from modelzoo.vision import jpeg
 from modelzoo.vision.transforms import ImageDecodeError, decode_rgb
 
 from ..store import cache_root
@@ -70,9 +72,20 @@ class RecordIOError(ValueError):
 def _decode_sample(src: Any, transform: Callable[[Any], Any] | None, where: str) -> Any:
     """Open ``src`` (path-like file object or bytes stream), decode, transform.
 
-    Only decode failures become :class:`BadImageError`; errors raised by the transform
-    itself propagate unchanged.
+    With the simplejpeg backend (:mod:`modelzoo.vision.jpeg`) and a transform that takes
+    encoded JPEGs, a JPEG's bytes go to the transform undecoded; everything else is opened
+    with Pillow. Only decode failures become :class:`BadImageError`; errors raised by the
+    transform itself propagate unchanged.
     """
+    if getattr(transform, "accepts_encoded_jpeg", False) and jpeg.backend() == "simplejpeg":
+        data = src.read()
+        encoded = jpeg.EncodedJPEG.parse(data)
+        if encoded is not None:
+            try:
+                return transform(encoded)  # type: ignore[misc]
+            except ImageDecodeError as err:
+                raise BadImageError(f"{where}: cannot decode image ({err}); {_SKIP_HINT}") from err
+        src = io.BytesIO(data)  # not a JPEG simplejpeg decodes: Pillow's turn
     try:
         img = Image.open(src)
     except _OPEN_ERRORS as err:
@@ -211,7 +224,8 @@ class ImageFolder(_SkippingDataset):
     to RGB (``Image.MAX_IMAGE_PIXELS`` is respected). If ``transform`` accepts lazily
     opened images (:func:`~modelzoo.vision.transforms.train_transforms` and
     :func:`~modelzoo.vision.transforms.eval_transforms` do), JPEGs are decoded in draft
-    mode at reduced size.
+    mode at reduced size, by libjpeg-turbo through simplejpeg when it is installed
+    (:mod:`modelzoo.vision.jpeg`; same crops, Pillow for everything else).
 
     Args:
         root: dataset folder, e.g. ``~/imagenet/train``.

@@ -8,8 +8,8 @@ The pipelines reproduce GluonCV's ``train_imagenet.py`` preprocessing:
 - eval: resize the short side to ``ceil(input_size / crop_ratio)``, centre crop
   ``input_size``, normalize.
 
-Geometric transforms take PIL images; photometric ones take the float tensors that
-:class:`ToTensor` makes. Conventions:
+Geometric transforms take PIL images (flip and centre crop also ``(3, H, W)`` tensors);
+photometric ones take the float tensors that :class:`ToTensor` makes. Conventions:
 
 - ``ToTensor`` gives ``float32`` tensors of shape ``(C, H, W)`` with values in ``[0, 1]``.
 - ``Normalize`` takes ``mean``/``std`` in **0-255 units**, like GluonCV's
@@ -28,6 +28,17 @@ differ, by the (small) difference between DCT-domain downscaling and Pillow's fi
 A :class:`Compose` whose first transform accepts lazy images advertises it through
 ``accepts_lazy_image``; the datasets in :mod:`modelzoo.vision.data` use that flag.
 
+With the optional simplejpeg package (the ``fast-jpeg`` extra) the same two transforms also
+take an :class:`~modelzoo.vision.jpeg.EncodedJPEG`: the file's bytes, decoded by
+libjpeg-turbo at the same DCT scale, then cropped and resized by torch's antialiased uint8
+resize (the same filter as Pillow's, within rounding). They return a ``(3, H, W)`` uint8
+tensor then, which :class:`RandomHorizontalFlip`, :class:`CenterCrop` and :class:`ToTensor`
+take as they take PIL images, so no PIL image is made. A :class:`Compose` advertises
+``accepts_encoded_jpeg`` when its first transform takes encoded JPEGs and every transform up
+to :class:`ToTensor` takes uint8 tensors (``accepts_uint8_tensor``). The random draws and
+the crop box are those of the Pillow path; :mod:`modelzoo.vision.jpeg` describes the
+backends and how to choose one.
+
 Example:
     >>> from PIL import Image
     >>> from modelzoo.vision.transforms import eval_transforms
@@ -39,13 +50,17 @@ Example:
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
+
+from modelzoo.vision.jpeg import EncodedJPEG, dct_scale
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -130,6 +145,86 @@ def decode_rgb(
     return img, sx, sy
 
 
+def _hwc_to_chw(arr: np.ndarray) -> torch.Tensor:
+    """``(H, W, 3)`` uint8 array -> ``(3, H, W)`` uint8 tensor (a view when ``arr`` is
+    writable; numpy views of Pillow images are read-only and are copied)."""
+    if not arr.flags.writeable:
+        arr = arr.copy()
+    return torch.from_numpy(arr).permute(2, 0, 1)
+
+
+def _resize_array(
+    arr: np.ndarray,
+    box: tuple[float, float, float, float],
+    size: tuple[int, int],
+    resample: Image.Resampling,
+) -> torch.Tensor:
+    """Resize the ``box`` (left, top, right, bottom) of an RGB ``(H, W, 3)`` uint8 array to
+    ``size`` = ``(width, height)``; returns a ``(3, height, width)`` uint8 tensor.
+
+    A whole-pixel box with the bilinear filter goes through torch's antialiased uint8 resize
+    on a view of the box (no copy; Pillow's filter within rounding, about 3x faster than
+    Pillow here). A fractional box (a DCT-scaled decode) or another filter goes through
+    Pillow, given only the rows and columns its filter reads, so the result equals Pillow's
+    on the whole array.
+    """
+    out_w, out_h = size
+    left, top, right, bottom = box
+    if resample == Image.Resampling.BILINEAR and all(float(v).is_integer() for v in box):
+        x = _hwc_to_chw(arr)[None, :, int(top) : int(bottom), int(left) : int(right)]  # (1,3,h,w)
+        return F.interpolate(x, size=(out_h, out_w), mode="bilinear", antialias=True)[0]
+    height, width = arr.shape[:2]
+    # Pillow's widest filter (lanczos) reads 3 input pixels per unit of downscaling.
+    mx = math.ceil(3 * max((right - left) / out_w, 1.0)) + 2
+    my = math.ceil(3 * max((bottom - top) / out_h, 1.0)) + 2
+    x0, y0 = max(0, math.floor(left) - mx), max(0, math.floor(top) - my)
+    x1, y1 = min(width, math.ceil(right) + mx), min(height, math.ceil(bottom) + my)
+    region = Image.fromarray(arr[y0:y1, x0:x1])
+    out = region.resize(size, resample, box=(left - x0, top - y0, right - x0, bottom - y0))
+    return _hwc_to_chw(np.array(out))
+
+
+def _decode_crop_resize(
+    jpeg: EncodedJPEG,
+    min_size: tuple[int, int],
+    box: tuple[float, float, float, float],
+    size: tuple[int, int],
+    resample: Image.Resampling,
+    *,
+    fast: bool,
+) -> torch.Tensor:
+    """Decode ``jpeg`` with libjpeg-turbo at the DCT scale Pillow's draft would use for
+    ``min_size``, then resize ``box`` (original-image coordinates) to ``size`` =
+    ``(width, height)``; returns a ``(3, height, width)`` uint8 tensor.
+
+    If libjpeg-turbo refuses the data (its strict mode also rejects some files Pillow
+    decodes with a warning), Pillow decodes the same crop, or raises
+    :class:`ImageDecodeError` as for any other file.
+    """
+    scale = dct_scale(jpeg.width, jpeg.height, *min_size)
+    if scale == 2 and resample == Image.Resampling.BILINEAR and any(v % 2 for v in box):
+        # At 1/2 scale the box has half pixels, which only Pillow's resize takes (~2-3x
+        # slower than torch's); libjpeg-turbo's 1/2 decode saves less than that (entropy
+        # decoding, which no DCT scale shortens, dominates), so decode the whole image and
+        # resize the whole-pixel box with torch. 1/4 and 1/8 still pay off.
+        scale = 1
+    try:
+        arr = jpeg.decode(scale, fast=fast, scratch=True)  # (H / scale, W / scale, 3), reused
+    except ValueError:
+        try:
+            img = Image.open(io.BytesIO(jpeg.data))
+        except _DECODE_ERRORS as err:
+            raise ImageDecodeError(f"{type(err).__name__}: {err}") from err
+        rgb, sx, sy = decode_rgb(img, min_size)
+        pil_box = (box[0] / sx, box[1] / sy, box[2] / sx, box[3] / sy)
+        return _hwc_to_chw(np.array(rgb.resize(size, resample, box=pil_box)))
+    height, width = arr.shape[:2]
+    scaled = (box[0] / scale, box[1] / scale, box[2] / scale, box[3] / scale)
+    if scaled == (0, 0, width, height) and size == (width, height):
+        return _hwc_to_chw(arr.copy())  # arr is the decoder's reused buffer
+    return _resize_array(arr, scaled, size, resample)
+
+
 def _pair(size: int | Sequence[int], name: str) -> tuple[int, int]:
     """Return ``(height, width)`` from an int or a ``(height, width)`` pair."""
     if isinstance(size, int):
@@ -170,6 +265,19 @@ class Compose:
         """Whether the first transform can take a lazily opened PIL image (draft decode)."""
         return bool(self.transforms) and getattr(self.transforms[0], "accepts_lazy_image", False)
 
+    @property
+    def accepts_encoded_jpeg(self) -> bool:
+        """Whether the first transform can take an :class:`~modelzoo.vision.jpeg.EncodedJPEG`
+        and every later one up to :class:`ToTensor` the uint8 tensor it then returns."""
+        if not self.transforms or not getattr(self.transforms[0], "accepts_encoded_jpeg", False):
+            return False
+        for t in self.transforms[1:]:
+            if not getattr(t, "accepts_uint8_tensor", False):
+                return False
+            if isinstance(t, ToTensor):
+                break
+        return True
+
     def __call__(self, x: Any) -> Any:
         for t in self.transforms:
             x = t(x)
@@ -187,7 +295,9 @@ class RandomResizedCrop:
     log-uniformly from ``ratio``; up to 10 attempts, then a centre crop clamped to
     ``ratio`` (the algorithm of GluonCV/torchvision). Takes a PIL image (loaded or lazily
     opened; JPEGs are decoded in draft mode at the smallest scale that keeps at least
-    ``size`` pixels inside the crop) and returns an RGB PIL image of ``size``.
+    ``size`` pixels inside the crop) or an :class:`~modelzoo.vision.jpeg.EncodedJPEG`
+    (decoded by libjpeg-turbo at that scale with its fast DCT and upsampling). Returns an RGB
+    PIL image of ``size``, or for an ``EncodedJPEG`` a ``(3, height, width)`` uint8 tensor.
 
     Args:
         size: output size, an int or ``(height, width)``.
@@ -197,6 +307,7 @@ class RandomResizedCrop:
     """
 
     accepts_lazy_image = True
+    accepts_encoded_jpeg = True
 
     def __init__(
         self,
@@ -243,11 +354,14 @@ class RandomResizedCrop:
             w, h = width, height
         return (height - h) // 2, (width - w) // 2, h, w
 
-    def __call__(self, img: Image.Image) -> Image.Image:
+    def __call__(self, img: Image.Image | EncodedJPEG) -> Image.Image | torch.Tensor:
         out_h, out_w = self.size
         top, left, h, w = self.get_params(img.width, img.height, self.scale, self.ratio)
         # Decoded size such that the crop still spans >= (out_w, out_h) pixels.
         draft = (math.ceil(img.width * out_w / w), math.ceil(img.height * out_h / h))
+        if isinstance(img, EncodedJPEG):
+            box = (left, top, left + w, top + h)
+            return _decode_crop_resize(img, draft, box, (out_w, out_h), self._resample, fast=True)
         img, sx, sy = decode_rgb(img, draft)
         box = (left / sx, top / sy, (left + w) / sx, (top + h) / sy)
         return img.resize((out_w, out_h), self._resample, box=box)
@@ -266,8 +380,10 @@ class Resize:
     An int ``size`` sets the shorter side, keeping the aspect ratio (the longer side is
     ``size * long // short``, as GluonCV's ``Resize(keep_ratio=True)``); a pair sets
     ``(height, width)``. Takes a loaded or lazily opened PIL image (JPEGs are decoded in
-    draft mode at the smallest scale that is still at least the output size) and returns
-    an RGB PIL image.
+    draft mode at the smallest scale that is still at least the output size) or an
+    :class:`~modelzoo.vision.jpeg.EncodedJPEG` (libjpeg-turbo at that scale, with its
+    accurate DCT and upsampling: Pillow's pixels). Returns an RGB PIL image, or for an
+    ``EncodedJPEG`` a ``(3, H, W)`` uint8 tensor.
 
     Args:
         size: shorter-side length, or ``(height, width)``.
@@ -275,6 +391,7 @@ class Resize:
     """
 
     accepts_lazy_image = True
+    accepts_encoded_jpeg = True
 
     def __init__(self, size: int | Sequence[int], interpolation: str = "bilinear") -> None:
         if isinstance(size, int):
@@ -294,9 +411,14 @@ class Resize:
             return self.size * width // height, self.size
         return self.size[1], self.size[0]
 
-    def __call__(self, img: Image.Image) -> Image.Image:
+    def __call__(self, img: Image.Image | EncodedJPEG) -> Image.Image | torch.Tensor:
         out_w, out_h = self.output_size(img.width, img.height)
         width, height = img.size
+        if isinstance(img, EncodedJPEG):
+            box = (0, 0, width, height)
+            return _decode_crop_resize(
+                img, (out_w, out_h), box, (out_w, out_h), self._resample, fast=False
+            )
         img, sx, sy = decode_rgb(img, (out_w, out_h))
         if (out_w, out_h) == img.size and sx == sy == 1.0:
             return img
@@ -315,6 +437,8 @@ class CenterCrop:
     Args:
         size: crop size, an int or ``(height, width)``.
     """
+
+    accepts_uint8_tensor = True
 
     def __init__(self, size: int | Sequence[int]) -> None:
         self.size = _pair(size, "CenterCrop")
@@ -342,6 +466,8 @@ class CenterCrop:
 class RandomHorizontalFlip:
     """Flip a PIL image or a ``(..., H, W)`` tensor left-right with probability ``p``."""
 
+    accepts_uint8_tensor = True
+
     def __init__(self, p: float = 0.5) -> None:
         if not 0 <= p <= 1:
             raise ValueError(f"RandomHorizontalFlip: p must be in [0, 1], got {p}")
@@ -359,16 +485,32 @@ class RandomHorizontalFlip:
 
 
 class ToTensor:
-    """PIL image (``H x W`` pixels, mode RGB or L) -> ``float32`` tensor ``(C, H, W)`` in [0, 1]."""
+    """PIL image (``H x W`` pixels, mode RGB or L) or ``(C, H, W)`` uint8 tensor -> contiguous
+    ``float32`` tensor ``(C, H, W)`` in [0, 1].
 
-    def __call__(self, img: Image.Image) -> torch.Tensor:
-        if img.mode not in ("RGB", "L"):
-            img = img.convert("RGB")
-        arr = np.array(img, dtype=np.uint8, copy=True)  # (H, W[, C])
-        if arr.ndim == 2:
-            arr = arr[:, :, None]
-        x = torch.from_numpy(arr).permute(2, 0, 1)  # (C, H, W)
-        return x.to(torch.float32).div_(255.0)
+    The result is contiguous in ``(C, H, W)`` order: the photometric transforms after it run
+    about twice as fast on it as on the channels-last view of the pixels.
+    """
+
+    accepts_uint8_tensor = True
+
+    def __call__(self, img: Image.Image | torch.Tensor) -> torch.Tensor:
+        if isinstance(img, torch.Tensor):
+            if img.dtype != torch.uint8 or img.dim() != 3:
+                raise TypeError(
+                    f"ToTensor takes PIL images or (C, H, W) uint8 tensors, got a {img.dtype} "
+                    f"tensor of shape {tuple(img.shape)}"
+                )
+            x = img
+        else:
+            if img.mode not in ("RGB", "L"):
+                img = img.convert("RGB")
+            arr = np.array(img, dtype=np.uint8, copy=True)  # (H, W[, C])
+            if arr.ndim == 2:
+                arr = arr[:, :, None]
+            x = torch.from_numpy(arr).permute(2, 0, 1)  # (C, H, W) view
+        # One pass: uint8 -> float32 into (C, H, W) order, then the exact division by 255.
+        return x.to(torch.float32, memory_format=torch.contiguous_format).div_(255.0)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -387,6 +529,8 @@ _GRAY = torch.tensor([0.299, 0.587, 0.114])  # ITU-R 601 luma, as MXNet's image 
 
 def _gray(x: torch.Tensor) -> torch.Tensor:
     """Luma of a ``(..., 3, H, W)`` tensor, shape ``(..., 1, H, W)``."""
+    if x.dim() == 3 and x.is_contiguous():  # one sample: a (3,) x (3, H*W) product, no copy
+        return (_GRAY.to(x.dtype) @ x.view(3, -1)).view(1, *x.shape[1:])
     return torch.tensordot(x, _GRAY.to(x.dtype), dims=([-3], [0])).unsqueeze(-3)
 
 
@@ -403,9 +547,17 @@ class ColorJitter:
         brightness: jitter strength for brightness (GluonCV's ``jitter_param`` 0.4).
         contrast: jitter strength for contrast.
         saturation: jitter strength for saturation.
+        inplace: modify the input tensor instead of copying it first (saves an allocation;
+            :func:`train_transforms` uses it on :class:`ToTensor`'s fresh output).
     """
 
-    def __init__(self, brightness: float = 0.0, contrast: float = 0.0, saturation: float = 0.0):
+    def __init__(
+        self,
+        brightness: float = 0.0,
+        contrast: float = 0.0,
+        saturation: float = 0.0,
+        inplace: bool = False,
+    ):
         for name, value in (
             ("brightness", brightness),
             ("contrast", contrast),
@@ -416,33 +568,35 @@ class ColorJitter:
         self.brightness = float(brightness)
         self.contrast = float(contrast)
         self.saturation = float(saturation)
+        self.inplace = bool(inplace)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = _require_tensor(x, "ColorJitter")
         strengths = (self.brightness, self.contrast, self.saturation)
-        owned = False  # the caller's tensor is never modified: copy on the first step
+        owned = self.inplace  # otherwise the caller's tensor is kept: copy on the first step
         for op in torch.randperm(3).tolist():
             s = strengths[op]
             if s == 0:
                 continue
             a = _uniform(1.0 - s, 1.0 + s)
-            ref = None
-            if op == 1:  # the image's mean luma = luma of the channel means
-                ref = (x.mean(dim=(-2, -1)) @ _GRAY.to(x.dtype)).mul_(1.0 - a)
-                ref = ref.view(*ref.shape, 1, 1, 1)
-            elif op == 2:
-                ref = _gray(x).mul_(1.0 - a)
-            x = x.mul_(a) if owned else x.mul(a)
+            if op == 0:
+                x = x.mul_(a) if owned else x.mul(a)
+            else:
+                if op == 1:  # the image's mean luma = luma of the channel means
+                    ref = x.mean(dim=(-2, -1)) @ _GRAY.to(x.dtype)
+                    ref = ref.view(*ref.shape, 1, 1, 1)
+                else:
+                    ref = _gray(x)
+                # a x + (1 - a) ref in one pass: x + (1 - a) (ref - x)
+                x = x.lerp_(ref, 1.0 - a) if owned else torch.lerp(x, ref, 1.0 - a)
             owned = True
-            if ref is not None:
-                x.add_(ref)
             x.clamp_(0.0, 1.0)
         return x
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(brightness={self.brightness}, contrast={self.contrast}, "
-            f"saturation={self.saturation})"
+            f"saturation={self.saturation}, inplace={self.inplace})"
         )
 
 
@@ -457,6 +611,7 @@ class Lighting:
         alphastd: standard deviation of the PCA coefficients (GluonCV's 0.1).
         eigval: PCA eigenvalues in 0-255 units (ImageNet's by default).
         eigvec: PCA eigenvectors, one per column (``eigvec[c][k]``: channel ``c``, component ``k``).
+        inplace: add to the input tensor instead of a copy of it.
     """
 
     def __init__(
@@ -464,10 +619,12 @@ class Lighting:
         alphastd: float = 0.1,
         eigval: Sequence[float] = IMAGENET_EIGVAL,
         eigvec: Sequence[Sequence[float]] = IMAGENET_EIGVEC,
+        inplace: bool = False,
     ) -> None:
         if alphastd < 0:
             raise ValueError(f"Lighting: alphastd must be >= 0, got {alphastd}")
         self.alphastd = float(alphastd)
+        self.inplace = bool(inplace)
         self.eigval = torch.tensor(eigval, dtype=torch.float32)
         self.eigvec = torch.tensor(eigvec, dtype=torch.float32)
         if self.eigval.shape != (3,) or self.eigvec.shape != (3, 3):
@@ -479,10 +636,12 @@ class Lighting:
             return x
         alpha = torch.randn(3) * self.alphastd
         rgb = (self.eigvec @ (alpha * self.eigval)) / 255.0  # (3,)
-        return torch.add(x, rgb.to(x.dtype).view(3, 1, 1)).clamp_(0.0, 1.0)
+        rgb = rgb.to(x.dtype).view(3, 1, 1)
+        x = x.add_(rgb) if self.inplace else torch.add(x, rgb)
+        return x.clamp_(0.0, 1.0)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(alphastd={self.alphastd})"
+        return f"{type(self).__name__}(alphastd={self.alphastd}, inplace={self.inplace})"
 
 
 class Normalize:
@@ -496,9 +655,10 @@ class Normalize:
     Args:
         mean: per-channel mean in 0-255 units.
         std: per-channel standard deviation in 0-255 units.
+        inplace: normalize the input tensor itself instead of a copy.
     """
 
-    def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
+    def __init__(self, mean: Sequence[float], std: Sequence[float], inplace: bool = False) -> None:
         mean_t = torch.tensor(mean, dtype=torch.float32).flatten()
         std_t = torch.tensor(std, dtype=torch.float32).flatten()
         if mean_t.numel() != std_t.numel():
@@ -513,6 +673,7 @@ class Normalize:
             )
         self.mean = tuple(float(m) for m in mean_t)
         self.std = tuple(float(s) for s in std_t)
+        self.inplace = bool(inplace)
         # (255 x - mean) / std = x * scale + shift
         self._scale = (255.0 / std_t).view(-1, 1, 1)
         self._shift = (-mean_t / std_t).view(-1, 1, 1)
@@ -520,10 +681,14 @@ class Normalize:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError("Normalize works on float tensors in [0, 1]; put it after ToTensor")
-        return torch.addcmul(self._shift.to(x.dtype), x, self._scale.to(x.dtype))
+        # x * scale + shift as two passes: ~3x faster on CPU than one broadcasting addcmul
+        # (the same values to within one float32 rounding).
+        scale = self._scale.to(x.dtype)
+        x = x.mul_(scale) if self.inplace else x.mul(scale)
+        return x.add_(self._shift.to(x.dtype))
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(mean={self.mean}, std={self.std})"
+        return f"{type(self).__name__}(mean={self.mean}, std={self.std}, inplace={self.inplace})"
 
 
 def train_transforms(
@@ -542,17 +707,20 @@ def train_transforms(
     ``RandomResizedCrop(input_size)`` -> flip (probability ``hflip``) -> ``ToTensor`` ->
     ``ColorJitter(jitter)`` -> ``Lighting(lighting)`` -> ``Normalize(mean, std)``; a zero
     ``hflip``, ``jitter`` or ``lighting`` drops that step (mirrored digits or text are other
-    classes, so their recipes use ``hflip=0``). ``mean``/``std`` are in 0-255 units.
+    classes, so their recipes use ``hflip=0``). ``mean``/``std`` are in 0-255 units. The
+    steps after ``ToTensor`` work in place on its fresh tensor.
     """
     steps: list[Callable[[Any], Any]] = [RandomResizedCrop(input_size, scale=scale, ratio=ratio)]
     if hflip > 0:
         steps.append(RandomHorizontalFlip(hflip))
     steps.append(ToTensor())
     if jitter > 0:
-        steps.append(ColorJitter(brightness=jitter, contrast=jitter, saturation=jitter))
+        steps.append(
+            ColorJitter(brightness=jitter, contrast=jitter, saturation=jitter, inplace=True)
+        )
     if lighting > 0:
-        steps.append(Lighting(lighting))
-    steps.append(Normalize(mean, std))
+        steps.append(Lighting(lighting, inplace=True))
+    steps.append(Normalize(mean, std, inplace=True))
     return Compose(steps)
 
 
@@ -571,4 +739,6 @@ def eval_transforms(
     if not 0 < crop_ratio <= 1:
         raise ValueError(f"eval_transforms: crop_ratio must be in (0, 1], got {crop_ratio}")
     resize = int(math.ceil(input_size / crop_ratio))
-    return Compose([Resize(resize), CenterCrop(input_size), ToTensor(), Normalize(mean, std)])
+    return Compose(
+        [Resize(resize), CenterCrop(input_size), ToTensor(), Normalize(mean, std, inplace=True)]
+    )
