@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _report import check_rounds, machine_line
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -229,6 +231,7 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
 
     rounds = sorted({r["round"] for r in rows})
     delay, compute = args.delay_ms / 1e3, args.compute_ms / 1e3
+    print(machine_line())
     print(f"{args.world} ranks, compute {args.compute_ms} ms/step (injected), slow link "
           f"{args.delay_ms} ms/message, straggler rank 0 x{args.straggler}; {len(rounds)} paired "
           "rounds; step times in ms (min / median / max over rounds)")  # fmt: skip
@@ -271,7 +274,7 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5, help="paired rounds (>= 5)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--compute-ms", type=float, default=20.0)
     p.add_argument("--delay-ms", type=float, default=20.0)
@@ -279,6 +282,7 @@ def main() -> int:
     p.add_argument("--modes", type=lambda t: t.split(","), default=list(MODES))
     p.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    check_rounds(args.rounds)
     unknown = [m for m in args.modes if m not in MODES]
     if unknown or "average" not in args.modes:
         p.error(f"--modes: choose among {', '.join(MODES)} (average included); got {unknown}")

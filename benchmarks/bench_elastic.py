@@ -40,6 +40,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from _report import check_rounds, machine_line, spread  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
@@ -170,20 +171,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--nodes", type=int, default=3, help="agents at the start (>= 3)")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5, help="restarts timed (>= 5)")
     parser.add_argument("--params-millions", type=float, default=0.1, help="model size")
     args = parser.parse_args()
     if args.worker is not None:
         worker(args.worker, args.params_millions)
         return
+    check_rounds(args.repeats)
     if args.nodes < 3:
         parser.error("--nodes must be >= 3 (the job keeps at least 2 after one dies)")
     print(f"{args.nodes} agents -> {args.nodes - 1}, model {args.params_millions}M params, "
           f"rdzv-conf {RDZV_CONF}, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(machine_line())
     runs = [one_restart(args.nodes, args.params_millions) for _ in range(args.repeats)]
     for phase in runs[0]:
         values = [r[phase] for r in runs]
-        print(f"{phase:>20}: median {statistics.median(values):6.2f} s  ({', '.join(f'{v:.2f}' for v in values)})")  # fmt: skip
+        print(f"{phase:>20}: {spread(values)}  ({', '.join(f'{v:.2f}' for v in values)})")
     print(f"restart_seconds={statistics.median(r['total'] for r in runs):.2f}")
 
 

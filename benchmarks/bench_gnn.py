@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _report import add_args, check_rounds, finish, spread
 
 from modelzoo.graph import GraphSAGE
 from modelzoo.graph.datasets import sbm_graph
@@ -168,17 +169,13 @@ class OurRun:
         return time.perf_counter() - start
 
 
-def spread(times: list[float]) -> str:
-    return (f"min {min(times):.3f}  median {statistics.median(times):.3f}  "
-            f"max {max(times):.3f} s/epoch")  # fmt: skip
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, default=100_000)
-    p.add_argument("--rounds", type=int, default=5, help="paired rounds (one epoch per side)")
     p.add_argument("--plain", action="store_true", help="also PyG's untrimmed example loop")
+    add_args(p, rounds=5)
     args = p.parse_args()
+    check_rounds(args.rounds)
 
     data = sbm_graph(args.nodes, seed=0)
     seeds = data.train_mask.nonzero().view(-1)
@@ -209,12 +206,18 @@ def main() -> None:
             times[name].append(sides[name]())
         print(f"round {r}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in names))
     for name in names:
-        print(f"{name:12s} {spread(times[name])}")
+        print(f"{name:12s} {spread(times[name], 's/epoch')}")
     print(f"peer batches: {how}")
     med = {n: statistics.median(t) for n, t in times.items()}
+    extra: dict[str, Any] = {"peer_batches": how}
     if args.plain:
+        extra.update(pyg_plain_rounds=times["pyg_plain"],
+                     ratio_plain=med["pyg_plain"] / med["ours"])  # fmt: skip
         print(f"ratio_plain={med['pyg_plain'] / med['ours']:.3f}")
-    print(f"ratio={med['pyg_trimmed'] / med['ours']:.3f}")
+    finish(args.json, "bench_gnn", times["ours"], times["pyg_trimmed"],
+           ours_label="train_gnn.py's GraphSAGE epoch",
+           peer_label="PyG GraphSAGE with trim_to_layer, same sampler", unit="s/epoch",
+           target=1.0, extra=extra)  # fmt: skip
 
 
 if __name__ == "__main__":

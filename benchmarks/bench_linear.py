@@ -17,12 +17,12 @@ by :class:`trainers.linear.Messenger` and the per-mini-batch time (min/median/ma
 rounds). Last line ``ratio=<plain SGD time / CA-SGD(--ratio-s) time>``.
 
 Usage: python benchmarks/bench_linear.py [--rounds 5] [--world 4] [--latency-ms 2] [--steps 64]
+    [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import socket
 import statistics
@@ -32,6 +32,7 @@ import time
 import warnings
 
 import torch
+from _report import add_args, check_rounds, finish
 
 from modelzoo.linear import LOSSES, LogisticRegression, column_slice, synthetic_sparse
 from trainers.linear import DataParallelLBFGS, FeaturePartitionedSGD, LBFGSConfig, Messenger
@@ -52,7 +53,7 @@ def _objective(X, y, w: torch.Tensor, b: float, l2: float) -> float:
     return float(loss) + 0.5 * l2 * float((w**2).sum())
 
 
-def bench_lbfgs(args: argparse.Namespace) -> float:
+def bench_lbfgs(args: argparse.Namespace) -> dict:
     from sklearn.linear_model import LogisticRegression as SkLogistic
 
     data = synthetic_sparse(args.rows, args.features, args.nnz, seed=0, dtype=torch.float64)
@@ -90,7 +91,7 @@ def bench_lbfgs(args: argparse.Namespace) -> float:
     print(f"lbfgs sklearn {_spread(sk_t)} iterations={statistics.median(sk_iters):g}")
     print(f"lbfgs ours    {_spread(ours_t)} iterations={statistics.median(iters):g} "
           f"ratio={ratio:.3f}")  # fmt: skip
-    return ratio
+    return {"lbfgs_ratio": ratio, "lbfgs_ours_rounds": ours_t, "lbfgs_sklearn_rounds": sk_t}
 
 
 # ---------------------------------------------------------------------------------- CA-SGD
@@ -145,7 +146,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def bench_casgd(args: argparse.Namespace) -> float:
+def bench_casgd(args: argparse.Namespace) -> dict[str, list[float]]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,12 +162,11 @@ def bench_casgd(args: argparse.Namespace) -> float:
         speedup = plain / statistics.median(t)
         print(f"casgd {name:<10} messages/round={messages[name]:>3} per-step {_spread(t)} "
               f"vs_sgd={speedup:.2f}")  # fmt: skip
-    return plain / statistics.median(times[f"casgd_s{args.ratio_s}"])
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--rows", type=int, default=20_000, help="L-BFGS rows")
     p.add_argument("--features", type=int, default=200_000, help="L-BFGS features")
     p.add_argument("--nnz", type=int, default=20, help="non-zeros per row")
@@ -179,14 +179,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-ms", type=float, default=2.0)
     p.add_argument("--ratio-s", type=int, default=8, choices=S_VALUES)
     p.add_argument("--skip-lbfgs", action="store_true")
+    add_args(p, rounds=5)
     args = p.parse_args(argv)
+    check_rounds(args.rounds)
     if args.steps % max(S_VALUES) != 0:
         p.error(f"--steps must be a multiple of {max(S_VALUES)}")
     torch.set_num_threads(1)
-    if not args.skip_lbfgs:
-        bench_lbfgs(args)
-    ratio = bench_casgd(args)
-    print(f"ratio={ratio:.3f}" if math.isfinite(ratio) else "ratio=nan")
+    extra = {} if args.skip_lbfgs else bench_lbfgs(args)
+    times = bench_casgd(args)
+    extra.update(latency_ms=args.latency_ms, world=args.world,
+                 **{f"{name}_rounds": t for name, t in times.items()})  # fmt: skip
+    finish(args.json, "bench_linear", times[f"casgd_s{args.ratio_s}"], times["sgd"],
+           ours_label=f"CA-SGD(s={args.ratio_s}) per mini-batch, {args.world} processes, "
+           f"{args.latency_ms:g} ms per message",
+           peer_label="plain feature-partitioned SGD per mini-batch", unit="s/mini-batch",
+           extra=extra)  # fmt: skip
     return 0
 
 

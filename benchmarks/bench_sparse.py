@@ -37,6 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _report import check_rounds, machine_line
 
 from trainers.comm.sparse import (
     ALGORITHMS,
@@ -186,7 +187,9 @@ def main() -> None:
                         help="inject a link: every message also waits bytes / (Gbps/8), for "
                         "ours and the peers alike; auto is given a CostModel with it")  # fmt: skip
     args = parser.parse_args()
+    check_rounds(args.rounds)
     args.densities = [float(x) for x in args.densities.split(",")]
+    print(machine_line())
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, one thread per process, "
           f"gloo on 127.0.0.1")  # fmt: skip
     ctx = mp.get_context("spawn")

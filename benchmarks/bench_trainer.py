@@ -7,7 +7,7 @@ seeding, per-iteration lr, metric sums, logging every 10 steps to a JSONL file);
 loop does the minimum (DataLoader, forward, backward, step). Target: the Trainer at most
 3 % slower (``ratio >= 0.97``).
 
-    python benchmarks/bench_trainer.py [--steps 30] [--rounds 3] [--batch-size 32]
+    python benchmarks/bench_trainer.py [--steps 30] [--rounds 7] [--batch-size 32] [--json FILE]
 
 Prints ``ratio=<plain_time / trainer_time>`` last.
 """
@@ -15,13 +15,13 @@ Prints ``ratio=<plain_time / trainer_time>`` last.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _report import add_args, check_rounds, finish
 from torch.utils.data import DataLoader, TensorDataset
 
 import modelzoo
@@ -96,21 +96,27 @@ def trainer_loop(data: TensorDataset, steps: int, batch_size: int, log: Path) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
+    add_args(parser, rounds=7)
     args = parser.parse_args()
+    check_rounds(args.rounds)
     data = make_data(args.batch_size * args.steps)
     plain, ours = [], []
     with tempfile.TemporaryDirectory() as tmp:
         plain_loop(data, 3, args.batch_size)  # warm-up: allocator, oneDNN primitives
         trainer_loop(data, 3, args.batch_size, Path(tmp) / "warm.jsonl")
         for r in range(args.rounds):
-            plain.append(plain_loop(data, args.steps, args.batch_size))
-            ours.append(trainer_loop(data, args.steps, args.batch_size, Path(tmp) / f"r{r}.jsonl"))
+            log = Path(tmp) / f"r{r}.jsonl"
+            if r % 2:  # alternate which side goes first
+                ours.append(trainer_loop(data, args.steps, args.batch_size, log))
+                plain.append(plain_loop(data, args.steps, args.batch_size))
+            else:
+                plain.append(plain_loop(data, args.steps, args.batch_size))
+                ours.append(trainer_loop(data, args.steps, args.batch_size, log))
             print(f"round {r}: plain {plain[-1]:.2f} s  trainer {ours[-1]:.2f} s", flush=True)
-    p, t = statistics.median(plain), statistics.median(ours)
-    print(f"plain loop: median {p:.2f} s for {args.steps} steps; Trainer: median {t:.2f} s")
-    print(f"ratio={p / t:.3f}")
+    finish(args.json, "bench_trainer", ours, plain,
+           ours_label=f"trainers.Trainer, {args.steps} steps",
+           peer_label=f"hand-written loop, {args.steps} steps", target=0.97)  # fmt: skip
 
 
 if __name__ == "__main__":

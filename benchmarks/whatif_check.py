@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _report import check_rounds, machine_line, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,7 +68,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: dict) -> None:
             time.sleep(args.compute)  # the forward and backward
             dist.all_reduce(grad)
             steps.append(time.perf_counter() - start)
-        rows.append((mib, min(steps)))
+        rows.append((mib, steps))
     if rank == 0:
         out.update(per_byte=per_byte, fixed=fixed, rows=rows)
     dist.destroy_process_group()
@@ -77,8 +78,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--compute", type=float, default=0.05, help="seconds of compute per step")
     p.add_argument("--sizes-mib", type=lambda t: [int(v) for v in t.split(",")], default=[4, 16, 64])  # fmt: skip
-    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--steps", type=int, default=7, help="measured steps per size (>= 5)")
     args = p.parse_args()
+    check_rounds(args.steps)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -87,9 +89,12 @@ def main() -> int:
     whatif = _whatif()
     gbps = 8 / out["per_byte"] / 1e9  # N = 2: T = S / B + 2 a
     latency = out["fixed"] / 2
+    print(machine_line())
     print(f"calibrated loopback link: {gbps:.2f} Gbps, latency {latency * 1e6:.0f} us per hop")
     worst = 0.0
-    for mib, measured in out["rows"]:
+    for mib, steps in out["rows"]:
+        print(f"gradient {mib:>4d} MiB: measured steps {spread(steps, 'ms', 1e3)}")
+        measured = min(steps)  # the model's compute + communication, without other load
         w = whatif.Workload(compute_time=args.compute, grad_bytes=mib * 2**20)
         predicted = args.compute + whatif.comm_time(w, 2, gbps, latency)
         rel = abs(predicted - measured) / measured
