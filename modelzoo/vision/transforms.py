@@ -509,8 +509,8 @@ class ToTensor:
             if arr.ndim == 2:
                 arr = arr[:, :, None]
             x = torch.from_numpy(arr).permute(2, 0, 1)  # (C, H, W) view
-        # One pass: uint8 -> float32 into (C, H, W) order, then the exact division by 255.
-        return x.to(torch.float32, memory_format=torch.contiguous_format).div_(255.0)
+        # One pass: uint8 -> float32 / 255, written in (C, H, W) order.
+        return torch.div(x, 255.0, out=torch.empty(x.shape, dtype=torch.float32))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
