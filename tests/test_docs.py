@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -67,3 +69,45 @@ def test_benchmarks_doc_names_every_benchmark():
     text = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
     for script in sorted((ROOT / "benchmarks").glob("[!_]*.py")):  # _report.py: a module
         assert f"python benchmarks/{script.name}" in text, f"docs/benchmarks.md: no {script.name}"
+
+
+def _make_doc():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_doc", ROOT / "benchmarks" / "make_doc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmarks_results_table_is_the_rendering_of_the_stored_results():
+    make_doc = _make_doc()
+    assert make_doc.main(["--check"]) == 0, "run python benchmarks/make_doc.py"
+
+
+def test_a_stored_result_whose_ratio_is_not_its_rounds_is_refused(tmp_path):
+    import json
+    import statistics
+
+    make_doc = _make_doc()
+    ours, peer = [1.0, 1.2, 0.9, 1.1, 1.0], [2.0, 2.2, 1.8, 2.1, 2.4]
+    good = {"benchmark": "bench_x", "ours": "a", "peer": "b", "unit": "s", "ours_rounds": ours,
+            "peer_rounds": peer, "ratio": statistics.median(peer) / statistics.median(ours),
+            "target": 1.5, "machine": {"cpu": "c", "cpu_capability": "AVX2", "threads": 1,
+            "load_average": 0.5}, "date": "2026-12-03"}  # fmt: skip
+    path = tmp_path / "bench_x.json"
+    path.write_text(json.dumps(good))
+    assert make_doc.load(path)["ratio"] == 2.1
+    row = make_doc.render({"bench_x": make_doc.load(path)})
+    assert (
+        "| `bench_x.py` | a | b | 0.9 / 1 / 1.2 s | 1.8 / 2.1 / 2.4 s | 2.100 (met) | ≥ 1.5 |"
+        in row
+    )
+    for change, message in (({"ratio": 2.0}, "is not the rounds'"),
+                            ({"ours_rounds": ours[:4]}, "fewer than 5")):  # fmt: skip
+        path.write_text(json.dumps({**good, **change}))
+        with pytest.raises(SystemExit, match=message):
+            make_doc.load(path)
+    path.write_text(json.dumps({k: v for k, v in good.items() if k != "machine"}))
+    with pytest.raises(SystemExit, match="missing field.*machine"):
+        make_doc.load(path)
