@@ -269,6 +269,7 @@ def test_float64_and_device_options(karate):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_layerwise_runs_on_the_gpu_with_the_features_on_the_host(sbm):
     model = _model("gat", 16)
     full = model(sbm.x, sbm.edge_index)
