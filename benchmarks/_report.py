@@ -132,24 +132,14 @@ def add_args(parser: Any, *, rounds: int = 7) -> None:
 
 
 def finish(
-    json_path: str | None,
-    name: str,
-    ours: Sequence[float],
-    peer: Sequence[float],
-    *,
-    ours_label: str,
-    peer_label: str,
-    target: float | None = None,
-    unit: str = "s",
-    extra: dict[str, Any] | None = None,
+    json_path: str | None, name: str, ours: Sequence[float], peer: Sequence[float], **fields: Any
 ) -> dict[str, Any]:
     """Print the machine, both sides' spread and, last, ``ratio=``; write the JSON result to
     ``json_path`` when given. Returns the result."""
-    out = result(name, ours, peer, ours_label=ours_label, peer_label=peer_label, target=target,
-                 unit=unit, extra=extra)  # fmt: skip
+    out = result(name, ours, peer, **fields)  # fields: result()'s keyword arguments
     print(machine_line())
-    print(f"ours ({ours_label}): {spread(ours, unit)}")
-    print(f"peer ({peer_label}): {spread(peer, unit)}")
+    print(f"ours ({out['ours']}): {spread(ours, out['unit'])}")
+    print(f"peer ({out['peer']}): {spread(peer, out['unit'])}")
     if json_path:
         write_json(json_path, out)
         print(f"wrote {json_path}")
