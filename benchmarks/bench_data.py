@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import PIL
 import torch
 from PIL import Image
 
@@ -180,7 +181,7 @@ def main() -> None:
     rounds = _report.check_rounds(args.rounds)
     jpeg.set_backend(args.backend)
     torch.set_num_threads(1)  # one DataLoader worker's view
-    print(f"our JPEG backend: {jpeg.backend()}")
+    print(f"our JPEG backend: {jpeg.backend()} (simplejpeg installed: {jpeg.available()})")
     with tempfile.TemporaryDirectory() as tmp:
         small = make_folder(Path(tmp) / "500x375", args.images, (500, 375))
         large = make_folder(Path(tmp) / "1280x960", args.images // 2, (1280, 960), seed=1)
@@ -196,6 +197,10 @@ def main() -> None:
     big = results.pop("train 224, 1280x960")
     extra = {
         "backend": jpeg.backend(),
+        "versions": {
+            "simplejpeg": getattr(jpeg.simplejpeg, "__version__", None),
+            "Pillow": PIL.__version__,
+        },
         "images": {"500x375": args.images, "1280x960": args.images // 2},
         "1280x960": case(*big, target=TARGET_1280),
         **{name: case(*r) for name, r in results.items()},
