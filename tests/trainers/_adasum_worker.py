@@ -127,6 +127,47 @@ def count_messages(fn) -> int:
     return calls["n"]
 
 
+# Around the packing threshold (adasum_module._PACK_BELOW = 16384): large tensors are combined
+# in their own memory, small ones in a packed buffer.
+LAYOUT_SHAPES = [(5,), (40000,), (200, 300), (50,), (20000,), (17001,), (16383,), (16384,), (3, 4, 4000)]  # fmt: skip
+LAYOUT_DTYPES = {"fp64": torch.float64, **DTYPES}
+
+
+def layout_inputs(rank: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Large and small tensors; a zero tensor on some ranks (the guard)."""
+    inputs = random_tensors(rank, dtype, LAYOUT_SHAPES)
+    if rank in (0, 2):
+        inputs[4].zero_()  # large: adasum(0, b) = b
+    if rank == 1:
+        inputs[3].zero_()  # small
+    return inputs
+
+
+def layout(rank: int) -> dict:
+    """The in-place layout against the packed (fusion-copy) one, on awkward inputs: a
+    non-contiguous large tensor, one tensor passed twice, uneven sizes, zero tensors."""
+    results = {}
+    for name, dtype in LAYOUT_DTYPES.items():
+        inputs = layout_inputs(rank, dtype)
+        work = [t.clone() for t in inputs]
+        work[2] = inputs[2].t().contiguous().t()  # non-contiguous, same values
+        work.append(work[1])  # the same memory twice: both slots get the Adasum
+        outputs = adasum_allreduce_(work)
+        pack = adasum_module._PACK_BELOW
+        adasum_module._PACK_BELOW = 1 << 62  # everything through the packed buffer
+        try:
+            packed = adasum_allreduce_([t.clone() for t in inputs])
+        finally:
+            adasum_module._PACK_BELOW = pack
+        results[name] = {
+            "in": inputs + [inputs[1]],
+            "out": [t.clone() for t in outputs],
+            "packed": list(packed) + [packed[1]],
+            "non_contiguous_stays": not work[2].is_contiguous(),
+        }
+    return results
+
+
 def small_pieces(rank: int) -> dict:
     """The same data sent in many small pieces (the overlap of transfers and arithmetic)."""
     piece = adasum_module._PIECE
@@ -139,6 +180,7 @@ def small_pieces(rank: int) -> dict:
 
 def world4(rank: int) -> dict:
     res: dict = {"random": allreduce_random(rank), "pieces": small_pieces(rank)}
+    res["layout"] = layout(rank)
     for kind in ("orthogonal", "parallel"):
         for name in ("fp32", "fp16"):
             cols = horovod_columns(rank, 4, DTYPES[name], kind)
@@ -176,6 +218,7 @@ def world4(rank: int) -> dict:
 
 def world3(rank: int) -> dict:
     res: dict = {"random": allreduce_random(rank), "pieces": small_pieces(rank)}
+    res["layout"] = layout(rank)
     env = DistEnv.from_env(device="cpu")
     # Gradient mode inside the Trainer with an odd world size: ranks stay identical.
     model = make_mlp(seed=rank)  # different on purpose: prepare() broadcasts rank 0's

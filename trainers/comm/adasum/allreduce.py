@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ __all__ = ["DEFAULT_BUCKET_CAP_MB", "adasum_allreduce_"]
 
 DEFAULT_BUCKET_CAP_MB = 64.0  # Horovod's default fusion threshold
 _PIECE = 1 << 20  # elements per message of a level: the grain of communication overlap
+_PACK_BELOW = 1 << 14  # smaller tensors travel packed together; larger ones from their memory
 _SELF: Any = object()  # "a group of one": no communication
 # torch 2.13 renamed the single-tensor collectives; older versions only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -36,33 +38,75 @@ def _coefficient_lists(
 
 
 def _combine_(
-    a: Tensor, b: Tensor, lo: int, bounds: Sequence[int], left: bool, group: Any, eps: float
+    x: _Segments, b: Tensor, lo: int, bounds: Sequence[int], left: bool, group: Any, eps: float
 ) -> None:
-    """``a = adasum(a, b)`` per tensor on this rank's slice (dots summed over ``group``)."""
-    part = torch.zeros(len(bounds) - 1, 3, dtype=torch.float64, device=a.device)
-    _accumulate_dots(a, b, lo, bounds, left, part)
+    """``x = adasum(x, b)`` per tensor on this rank's slice (dots summed over ``group``)."""
+    part = torch.zeros(len(bounds) - 1, 3, dtype=torch.float64, device=b.device)
+    frags = x.frags(0, x.numel)
+    for s, e, a in frags:
+        _accumulate_dots(a, b[s:e], lo + s, bounds, left, part)
     mine, other = _coefficient_lists(part, group, left, eps)
-    _apply_(a, b, lo, bounds, mine, other)
+    for s, e, a in frags:
+        _apply_(a, b[s:e], lo + s, bounds, mine, other)
 
 
-def _pieces(begin: int, end: int) -> list[tuple[int, int]]:
-    return [(s, min(s + _PIECE, end)) for s in range(begin, end, _PIECE)]
+# ================================================================================================
+# the buffer: a bucket's tensors as one range of elements, left where they live
+# ================================================================================================
+class _Segments:
+    """A bucket's fused range ``[0, numel)`` as contiguous pieces of memory (segments).
+
+    The exchange sees one flat buffer; the memory behind it is each large tensor itself (no
+    copy in or out) and one packed buffer for the small ones (one message instead of many).
+    Segment boundaries depend only on the tensors' sizes, so every rank cuts a range into
+    the same messages.
+    """
+
+    def __init__(self, starts: list[int], mems: list[Tensor]) -> None:
+        self.starts = starts  # global start of each segment, then the end
+        self.mems = mems  # 1-D, contiguous, len starts[i + 1] - starts[i]
+        self.numel = starts[-1]
+        self.dtype = mems[0].dtype
+        self.device = mems[0].device
+
+    @classmethod
+    def flat(cls, x: Tensor) -> _Segments:
+        return cls([0, x.numel()], [x])
+
+    def frags(self, begin: int, end: int) -> list[tuple[int, int, Tensor]]:
+        """``(start, end, memory)`` of every segment's part of the range [begin, end)."""
+        out = []
+        i = max(bisect.bisect_right(self.starts, begin) - 1, 0)
+        while i < len(self.mems) and self.starts[i] < end:
+            s, e = max(begin, self.starts[i]), min(end, self.starts[i + 1])
+            if e > s:
+                out.append((s, e, self.mems[i][s - self.starts[i] : e - self.starts[i]]))
+            i += 1
+        return out
+
+    def pieces(self, begin: int, end: int) -> list[tuple[int, int, Tensor]]:
+        """:meth:`frags`, each cut into messages of at most ``_PIECE`` elements."""
+        out = []
+        for s, e, mem in self.frags(begin, end):
+            for k in range(s, e, _PIECE):
+                out.append((k, min(k + _PIECE, e), mem[k - s : min(k + _PIECE, e) - s]))
+        return out
 
 
 def _start_level(
-    x: Tensor, recv: Tensor, keep: tuple[int, int], give: tuple[int, int], peer: int
-) -> list[tuple[tuple[int, int] | None, list[Any]]]:
+    x: _Segments, recv: Tensor, keep: tuple[int, int], give: tuple[int, int], peer: int
+) -> list[tuple[tuple[int, int, Tensor] | None, list[Any]]]:
     """Post one level's transfers piece by piece: send ``x[give]``, receive into ``recv``.
 
     Both sides cut their ranges the same way, so send ``i`` meets receive ``i``; each pair
     is one batch (NCCL needs the send and the receive of a pair grouped).
     """
-    sends, recvs = _pieces(*give), _pieces(*keep)
+    sends, recvs = x.pieces(*give), x.pieces(*keep)
     posted = []
     for i in range(max(len(sends), len(recvs))):
         ops = []
         if i < len(sends):
-            ops.append(dist.P2POp(dist.isend, x[sends[i][0] : sends[i][1]], peer, tag=i))
+            ops.append(dist.P2POp(dist.isend, sends[i][2], peer, tag=i))
         piece = recvs[i] if i < len(recvs) else None
         if piece is not None:
             r = recv[piece[0] - keep[0] : piece[1] - keep[0]]
@@ -71,16 +115,20 @@ def _start_level(
     return posted
 
 
-def _exchange(send: Tensor | None, recv: Tensor | None, peer: int) -> None:
-    """Send ``send`` to and receive ``recv`` from rank ``peer`` concurrently (empty: skipped)."""
-    ops = []
-    if send is not None and send.numel():
-        ops.append(dist.P2POp(dist.isend, send, peer))
-    if recv is not None and recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, peer))
+def _exchange(sends: Sequence[Tensor], recvs: Sequence[Tensor], peer: int) -> None:
+    """Send ``sends`` to and receive ``recvs`` from rank ``peer`` concurrently, in one batch.
+
+    Message ``i`` of one side meets message ``i`` of the other (empty ones are skipped).
+    """
+    ops = [dist.P2POp(dist.isend, t, peer, tag=i) for i, t in enumerate(sends) if t.numel()]
+    ops += [dist.P2POp(dist.irecv, t, peer, tag=i) for i, t in enumerate(recvs) if t.numel()]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+
+
+def _mems(frags: list[tuple[int, int, Tensor]]) -> list[Tensor]:
+    return [mem for _, _, mem in frags]
 
 
 # ================================================================================================
@@ -178,7 +226,7 @@ def _build_plan(world: Any, size: int, rank: int, m: int) -> _Plan:
 # ================================================================================================
 # the allreduce
 # ================================================================================================
-def _tree_(x: Tensor, lo: int, bounds: Sequence[int], plan: _Plan, eps: float) -> None:
+def _tree_(x: _Segments, lo: int, bounds: Sequence[int], plan: _Plan, eps: float) -> None:
     """This rank's slice ``x`` (global offset ``lo``) becomes the Adasum over the units.
 
     Communication overlaps the arithmetic: a level's halves travel in pieces and the dots of
@@ -186,17 +234,18 @@ def _tree_(x: Tensor, lo: int, bounds: Sequence[int], plan: _Plan, eps: float) -
     of the result the next level sends is computed first and its transfer starts while the
     rest is computed.
     """
-    n = x.numel()
+    n = x.numel
     half = n - n // 2
     fold = n if plan.fold_keeper else 0
     recv = _workspace("recv", max(fold, half + half // 2 + 1), x.dtype, x.device)
     regions = (recv[:half], recv[half:])  # levels alternate: one receives, one is read
     if plan.fold_peer is not None:
+        whole = x.frags(0, n)
         if not plan.fold_keeper:  # hand over, wait for the result
-            _exchange(x, None, plan.fold_peer)
-            _exchange(None, x, plan.fold_peer)
+            _exchange(_mems(whole), [], plan.fold_peer)
+            _exchange([], _mems(whole), plan.fold_peer)
             return
-        _exchange(None, recv[:n], plan.fold_peer)
+        _exchange([], [recv[s:e] for s, e, _ in whole], plan.fold_peer)
         _combine_(x, recv[:n], lo, bounds, True, plan.fold_group, eps)
 
     splits = []  # vector halving: (keep, give) per level
@@ -217,21 +266,22 @@ def _tree_(x: Tensor, lo: int, bounds: Sequence[int], plan: _Plan, eps: float) -
             for work in works:
                 work.wait()
             if piece is not None:
-                s, e = piece
-                _accumulate_dots(x[s:e], theirs[s - k0 : e - k0], lo + s, bounds, level.left, part)
+                s, e, a = piece
+                _accumulate_dots(a, theirs[s - k0 : e - k0], lo + s, bounds, level.left, part)
         mine, other = _coefficient_lists(part, level.group, level.left, eps)
         last = i + 1 == len(plan.levels)  # else: next level's outgoing half first, start it
         order = [(k0, k1)] if last else [splits[i + 1][1], splits[i + 1][0]]
-        for j, (s, e) in enumerate(order):
-            _apply_(x[s:e], theirs[s - k0 : e - k0], lo + s, bounds, mine, other)
+        for j, (s0, e0) in enumerate(order):
+            for s, e, a in x.frags(s0, e0):
+                _apply_(a, theirs[s - k0 : e - k0], lo + s, bounds, mine, other)
             if j == 0 and len(order) == 2:
                 posted = _start_level(x, regions[(i + 1) % 2], *splits[i + 1], plan.levels[i + 1].peer)  # fmt: skip
 
     for level, (keep, give) in zip(reversed(plan.levels), reversed(splits), strict=True):
-        _exchange(x[keep[0] : keep[1]], x[give[0] : give[1]], level.peer)  # allgather
+        _exchange(_mems(x.frags(*keep)), _mems(x.frags(*give)), level.peer)  # allgather
 
     if plan.fold_peer is not None:
-        _exchange(x, None, plan.fold_peer)
+        _exchange(_mems(x.frags(0, n)), [], plan.fold_peer)
 
 
 def _buckets(tensors: Sequence[Tensor], cap_bytes: int) -> list[list[int]]:
@@ -307,34 +357,103 @@ def adasum_allreduce_(
             raise TypeError(f"Adasum needs dense floating-point tensors, got {t.dtype} {t.layout}")
     plan = _get_plan(local_size, tensors[0].device)
     cap = max(1, int(bucket_cap_mb * 2**20))
+    shared = _overlapping(tensors) if local_size == 1 else set()
     for bucket in _buckets(tensors, cap):
-        _allreduce_bucket([tensors[i] for i in bucket], plan, eps)
+        _allreduce_bucket([tensors[i] for i in bucket], plan, eps, shared)
     return tensors
 
 
-def _allreduce_bucket(tensors: list[Tensor], plan: _Plan, eps: float) -> None:
-    bounds = [0]
-    for t in tensors:
-        bounds.append(bounds[-1] + t.numel())
-    n, m = bounds[-1], plan.local_size
+def _allreduce_bucket(tensors: list[Tensor], plan: _Plan, eps: float, shared: set[int]) -> None:
+    m = plan.local_size
+    if m == 1:
+        _allreduce_in_place(tensors, plan, eps, shared)
+        return
+    bounds = _bounds(tensors)
+    n = bounds[-1]
     if n == 0:
         return
     shard_len = -(-n // m)  # hierarchical: each rank of a node owns one shard
-    in_place = m == 1 and len(tensors) == 1 and tensors[0].is_contiguous()
-    if in_place:
-        flat = tensors[0].view(-1)
-    else:
-        flat = _workspace("flat", shard_len * m, tensors[0].dtype, tensors[0].device)
-        torch.cat([t.reshape(-1) for t in tensors], out=flat[:n])
-        flat[n:].zero_()
-    if m == 1:
-        _tree_(flat, 0, bounds, plan, eps)
-    else:
-        shard = _workspace("shard", shard_len, flat.dtype, flat.device)
-        _reduce_scatter(shard, flat, op=dist.ReduceOp.SUM, group=plan.node_group)
-        shard.div_(m)
-        _tree_(shard, plan.position * shard_len, bounds, plan, eps)
-        _all_gather(flat, shard, group=plan.node_group)
-    if not in_place:
-        for t, lo, hi in zip(tensors, bounds[:-1], bounds[1:], strict=True):
-            t.copy_(flat[lo:hi].view_as(t))
+    flat = _workspace("flat", shard_len * m, tensors[0].dtype, tensors[0].device)
+    torch.cat([t.reshape(-1) for t in tensors], out=flat[:n])
+    flat[n:].zero_()
+    shard = _workspace("shard", shard_len, flat.dtype, flat.device)
+    _reduce_scatter(shard, flat, op=dist.ReduceOp.SUM, group=plan.node_group)
+    shard.div_(m)
+    _tree_(_Segments.flat(shard), plan.position * shard_len, bounds, plan, eps)
+    _all_gather(flat, shard, group=plan.node_group)
+    for t, lo, hi in zip(tensors, bounds[:-1], bounds[1:], strict=True):
+        t.copy_(flat[lo:hi].view_as(t))
+
+
+def _bounds(tensors: Sequence[Tensor]) -> list[int]:
+    bounds = [0]
+    for t in tensors:
+        bounds.append(bounds[-1] + t.numel())
+    return bounds
+
+
+def _allreduce_in_place(tensors: list[Tensor], plan: _Plan, eps: float, shared: set[int]) -> None:
+    """The flat tree on the bucket's tensors where they are (no fusion copy for large ones).
+
+    The fused range holds the small tensors first (packed into one buffer: one message), then
+    the large ones, each a segment of its own, in the given order. The split points differ
+    from those of the given order, which changes only the order in which the partial dot
+    sums add up. A large tensor that is not contiguous, or shares memory with another tensor
+    of the call (``id`` in ``shared``), goes through the packed buffer too; copies go back in
+    the given order, as from a fusion buffer.
+    """
+    small = [i for i, t in enumerate(tensors) if t.numel() < _PACK_BELOW]
+    large = [i for i, t in enumerate(tensors) if t.numel() >= _PACK_BELOW]
+    order = small + large
+    bounds = _bounds([tensors[i] for i in order])
+    if bounds[-1] == 0:
+        return
+    in_place = {i for i in large if tensors[i].is_contiguous() and id(tensors[i]) not in shared}
+    n_small = bounds[len(small)]
+    stage = _workspace(
+        "flat",
+        bounds[-1] - sum(tensors[i].numel() for i in in_place),
+        tensors[0].dtype,
+        tensors[0].device,
+    )
+    if n_small:
+        torch.cat([tensors[i].reshape(-1) for i in small], out=stage[:n_small])
+    starts, mems = ([0, n_small], [stage[:n_small]]) if n_small else ([0], [])
+    back = [(i, stage[lo:hi]) for i, lo, hi in zip(small, bounds, bounds[1:], strict=False)]
+    offset = n_small
+    for i in large:
+        t = tensors[i]
+        if i in in_place:
+            mem = t.view(-1)
+        else:
+            mem = stage[offset : offset + t.numel()]
+            mem.view(t.shape).copy_(t)
+            back.append((i, mem))
+            offset += t.numel()
+        starts.append(starts[-1] + t.numel())
+        mems.append(mem)
+    _tree_(_Segments(starts, mems), 0, bounds, plan, eps)
+    for i, mem in sorted(back, key=lambda item: item[0]):
+        tensors[i].copy_(mem.view(tensors[i].shape))
+
+
+def _overlapping(tensors: Sequence[Tensor]) -> set[int]:
+    """``id`` of every tensor whose memory overlaps another's (those must not be updated in
+    place one after the other)."""
+    spans = []
+    for t in tensors:
+        if t.numel():
+            extent = 1 + sum(
+                (size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)
+            )
+            start = t.data_ptr()
+            spans.append((start, start + extent * t.element_size(), id(t)))
+    spans.sort()
+    shared: set[int] = set()
+    reach, holder = -1, None
+    for start, end, key in spans:
+        if start < reach:
+            shared.update((key, holder))
+        if end > reach:
+            reach, holder = end, key
+    return shared
