@@ -8,10 +8,14 @@ one flat (persistent) buffer, ``all_reduce(SUM)`` it (gloo's ring), copy the sli
 same bytes per rank (a reduce-scatter plus an allgather); ours also computes the rule.
 
 Each round runs ours and the peer back to back (alternating which goes first) on fresh
-copies of the same per-rank random gradients; a round's time is the slowest rank's. The last
-line is ``ratio=<peer_time/our_time>`` of the medians (1.0: as fast as summing).
+copies of the same per-rank random gradients; a round's time is the slowest rank's. Rank 0
+prints every round, then ``benchmarks/_report.py``'s lines: the machine, min / median / max
+of both sides and, last, ``ratio=<peer median / our median>`` (1.0: as fast as summing; the
+target is 1/1.2, Adasum at most 1.2x the fused sum). ``--json FILE`` also writes the rounds,
+the ratio and the machine.
 
-Usage: python benchmarks/bench_adasum.py [--world-size 4] [--rounds 5] [--threads 1]
+Usage: python benchmarks/bench_adasum.py [--world-size 4] [--rounds 7] [--threads 1]
+       [--json benchmarks/results/bench_adasum.json]
 """
 
 from __future__ import annotations
@@ -19,14 +23,21 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainers.comm.adasum import adasum_allreduce_
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, beside this file
+
+import _report  # noqa: E402
+
+from trainers.comm.adasum import adasum_allreduce_  # noqa: E402
+
+TARGET = 1 / 1.2  # Adasum at most 1.2x the fused sum's time (issue 21, item 1)
 
 
 def resnet50_shapes() -> list[tuple[int, ...]]:
@@ -70,7 +81,9 @@ def timed(fn, tensors: list[torch.Tensor]) -> float:
     return float(elapsed)
 
 
-def worker(rank: int, world: int, port: int, rounds: int, threads: int) -> None:
+def worker(
+    rank: int, world: int, port: int, rounds: int, threads: int, json_path: str | None
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -88,26 +101,34 @@ def worker(rank: int, world: int, port: int, rounds: int, threads: int) -> None:
         if rank == 0:
             print(f"round {r}: adasum {ours[-1]:.3f} s  sum-allreduce {peer[-1]:.3f} s", flush=True)
     if rank == 0:
-        o, p = statistics.median(ours), statistics.median(peer)
-        print(
-            f"{world} gloo processes, {len(grads)} tensors, {numel / 1e6:.1f} M float32: "
-            f"adasum {o:.3f} s, fused all_reduce(SUM) {p:.3f} s (medians of {rounds})"
+        print(f"{world} gloo processes, {len(grads)} tensors, {numel / 1e6:.1f} M float32")
+        _report.finish(
+            json_path,
+            "bench_adasum",
+            ours,
+            peer,
+            ours_label=f"adasum_allreduce_, {world} gloo processes, {threads} thread(s) each",
+            peer_label="fused flat all_reduce(SUM) (concatenate, gloo ring, copy back)",
+            target=TARGET,
+            extra={"world_size": world, "tensors": len(grads), "numel": numel},
         )
-        print(f"ratio={p / o:.3f}")
     dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    _report.add_args(parser)
     args = parser.parse_args()
+    rounds = _report.check_rounds(args.rounds)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(
-        worker, args=(args.world_size, port, args.rounds, args.threads), nprocs=args.world_size
+        worker,
+        args=(args.world_size, port, rounds, args.threads, args.json),
+        nprocs=args.world_size,
     )
 
 
