@@ -408,6 +408,11 @@ def test_profile_of_a_real_tiny_bert(tiny_bert):
             assert x.tp_param_bytes == sharded
             assert x.tp_allreduce_bytes == 2 * 16 * c * 4  # one (b, T, C) fp32 tensor
             assert 0 < x.tp_activation_bytes < x.activation_bytes
+            # one rank's share of the layer, timed at degrees 2 and 4
+            assert set(x.tp_time_ratio) <= {"2", "4"} and x.tp_time_ratio, x.tp_time_ratio
+            assert all(0 < r <= 2 for r in x.tp_time_ratio.values())
+        else:
+            assert x.tp_time_ratio == {}
     # the hidden states and the (b, T) int64 mask travel between stages
     assert a.blocks[0].output_bytes == 2 * 16 * c * 4 + 2 * 16 * 8
     # a layer keeps at least its input, qkv output and feed-forward input and hidden units
@@ -615,3 +620,32 @@ def _tiny_bert_model(layers: int = 3):
     return BertForQuestionAnswering(BertConfig(vocab_size=50, hidden_size=16, num_layers=layers,
                                                num_heads=2, intermediate_size=32,
                                                max_position_embeddings=16))  # fmt: skip
+
+
+def test_measured_tensor_parallel_share_replaces_the_perfect_split():
+    """A layer whose share at tp 2 was measured at 0.7 of the whole costs 0.7 (F + B), not
+    (F + B) / 2: with one micro-batch, no pipeline and no data parallelism the step grows by
+    exactly 0.2 (F + B); a degree not measured keeps the perfect split."""
+    import dataclasses
+
+    layer = BlockProfile(name="layer", forward_s=1.0, backward_s=2.0, activation_bytes=1e6,
+                         output_bytes=1e5, param_bytes=1e6, tensor_parallel=True,
+                         tp_param_bytes=9e5, tp_activation_bytes=5e5, tp_allreduce_bytes=1e5)  # fmt: skip
+    plain = Profile(model="toy", batch=4, blocks=(layer,), seq_len=16,
+                    tensor_parallel_degrees=(1, 2, 4))  # fmt: skip
+    measured = dataclasses.replace(
+        plain, blocks=(dataclasses.replace(layer, tp_time_ratio={"2": 0.7}),)
+    )
+    network = Network.parse("4:10:1e-5", devices=4)
+    for tp, extra in ((2, 0.2 * 3.0), (4, 0.0)):
+        config = ParallelConfig(tp, 1, 4 // tp, 1, "1f1b", (0, 1))
+        a, b = (predict_step_time(p, network, config, global_batch=4 // tp * 4).step_s
+                for p in (plain, measured))  # fmt: skip
+        assert b - a == pytest.approx(extra, abs=1e-12), tp
+    bad = dataclasses.asdict(layer) | {"tp_time_ratio": {"1": 0.5}}
+    with pytest.raises(ValueError, match="'tp_time_ratio' maps degrees > 1"):
+        BlockProfile.from_dict(bad, "prof.json: blocks[0]")
+    with pytest.raises(ValueError, match="'tp_time_ratio' is set but 'tensor_parallel'"):
+        BlockProfile.from_dict(dataclasses.asdict(layer) | {"tensor_parallel": False,
+                               "tp_param_bytes": 0.0, "tp_activation_bytes": 0.0,
+                               "tp_allreduce_bytes": 0.0, "tp_time_ratio": {"2": 0.6}}, "p")  # fmt: skip

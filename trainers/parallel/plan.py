@@ -56,9 +56,13 @@ Bandwidth is per device: concurrent groups on one level do not share it. With ``
 **Tensor parallelism** (degree ``tp``, only blocks marked ``tensor_parallel``: BERT's layers;
 embeddings and heads are replicated, as in :mod:`trainers.parallel.tensor`)::
 
-    F'_k = F_k(b) / tp + 2 AR_tp(r_k(b)),   B'_k = B_k(b) / tp + 2 AR_tp(r_k(b))
+    F'_k = rho_k(tp) F_k(b) + 2 AR_tp(r_k(b)),   B'_k = rho_k(tp) B_k(b) + 2 AR_tp(r_k(b))
     w'_k = w_k - w^tp_k + w^tp_k / tp,      a'_k = a_k(b) - a^tp_k(b) + a^tp_k(b) / tp
 
+where ``rho_k(tp)`` is the measured time of one rank's share of the layer (its heads and
+feed-forward units at the profile's micro-batch) over the whole layer's: more than ``1 / tp``
+where the smaller matrix products run less efficiently, and ``1 / tp`` for a profile that
+does not list the degree
 (two all-reduces forward, after the attention output and the second feed-forward linear,
 and two backward, for the input gradients of ``qkv`` and ``fc1``). Other blocks: ``F'_k =
 F_k(b)``, ``w'_k = w_k``, ... The optimizer step scales with the local parameters,
@@ -253,6 +257,10 @@ class BlockProfile:
         tp_activation_bytes: the part of ``activation_bytes`` that is sharded ``a^tp_k``.
         tp_allreduce_bytes: bytes of one of its four all-reduces ``r_k``.
         flops: forward + backward floating-point operations (0: unknown).
+        tp_time_ratio: per tensor-parallel degree ``t`` (a string key, JSON's), the measured
+            forward + backward time of one rank's share of the layer (``num_heads / t`` heads,
+            ``intermediate / t`` units) over the whole layer's, ``rho_k(t)``; a degree not
+            listed is taken to split the time perfectly (``1 / t``).
     """
 
     name: str
@@ -269,6 +277,7 @@ class BlockProfile:
     tp_activation_bytes: float = 0.0
     tp_allreduce_bytes: float = 0.0
     flops: float = 0.0
+    tp_time_ratio: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> BlockProfile:
@@ -280,6 +289,17 @@ class BlockProfile:
         for f in dataclasses.fields(cls)[1:]:
             if f.name == "tensor_parallel":
                 values[f.name] = _get(data, f.name, where, bool, default=False)
+            elif f.name == "tp_time_ratio":
+                ratios = _get(data, f.name, where, dict, default={})
+                for key, value in ratios.items():
+                    if not (key.isdigit() and int(key) > 1) or isinstance(value, bool) or not (
+                        isinstance(value, (int, float)) and 0 < value <= 2
+                    ):  # fmt: skip
+                        raise ValueError(
+                            f"{where}: field 'tp_time_ratio' maps degrees > 1 (as strings) to "
+                            f"time ratios in (0, 2]; got {key!r}: {value!r}"
+                        )
+                values[f.name] = {k: float(v) for k, v in ratios.items()}
             else:
                 default = _MISSING if f.default is dataclasses.MISSING else f.default
                 values[f.name] = _get(data, f.name, where, float, default=default, minimum=0.0)
@@ -295,7 +315,8 @@ class BlockProfile:
                     f"({values[whole]:g}); it is the part of it that {_PART_OF[part]}"
                 )
         if not values["tensor_parallel"]:
-            for name in ("tp_param_bytes", "tp_activation_bytes", "tp_allreduce_bytes"):
+            for name in ("tp_param_bytes", "tp_activation_bytes", "tp_allreduce_bytes",
+                         "tp_time_ratio"):  # fmt: skip
                 if values[name]:
                     raise ValueError(
                         f"{where}: field {name!r} is set but 'tensor_parallel' is false; set "
@@ -643,7 +664,8 @@ class _Costs:
             a, w = b.activation_bytes * ratio, b.param_bytes
             comm = 0.0
             if b.tensor_parallel and tp > 1:
-                f, g = f / tp, g / tp
+                share = b.tp_time_ratio.get(str(tp), 1 / tp)  # measured, else a perfect split
+                f, g = f * share, g * share
                 comm = 2 * ar(b.tp_allreduce_bytes * ratio, tp, tp_level)
                 a -= b.tp_activation_bytes * ratio * (1 - 1 / tp)
                 w -= b.tp_param_bytes * (1 - 1 / tp)
@@ -1507,8 +1529,11 @@ def _block_names(model: nn.Module, count: int) -> list[str]:
 
 
 def _measure(blocks: Sequence[nn.Module], inputs: tuple[torch.Tensor, ...], *, repeats: int,
-             warmup: int, dedupe: bool, full: bool, tp_degree: int) -> list[dict[str, float]]:  # fmt: skip
-    """Per-block measurements along the chain (``full``: also bytes, FLOPs, the AdamW step)."""
+             warmup: int, dedupe: bool, full: bool, tp_degree: int,
+             time_degrees: Sequence[int] = ()) -> list[dict[str, Any]]:  # fmt: skip
+    """Per-block measurements along the chain (``full``: also bytes, FLOPs, the AdamW step;
+    for a BERT layer the sharded bytes at ``tp_degree`` and the time ratio of one rank's share
+    of the layer at each of ``time_degrees``)."""
     from modelzoo.nlp.bert import BertLayer
 
     results: list[dict[str, float]] = []
@@ -1547,6 +1572,15 @@ def _measure(blocks: Sequence[nn.Module], inputs: tuple[torch.Tensor, ...], *, r
                     # saved = replicated + sharded / t, at t = 1 and t = tp_degree
                     sharded = (saved - part) * tp_degree / (tp_degree - 1)
                     record["tp_activation_bytes"] = float(min(max(sharded, 0.0), saved))
+                whole = record["forward_s"] + record["backward_s"]
+                ratios = {}
+                for degree in time_degrees:
+                    part = _time_block(_local_bert_block(block, degree), values, repeats, warmup,
+                                       optimizer=False)  # fmt: skip
+                    ratio = (part["forward_s"] + part["backward_s"]) / whole if whole > 0 else 0
+                    if 0 < ratio <= 2:  # outside: a measurement too noisy to use
+                        ratios[str(degree)] = ratio
+                record["tp_time_ratio"] = ratios
         with torch.no_grad():
             outputs = tuple(t.detach() for t in _tensors(block(*values)))
         for p in block.parameters():
@@ -1612,7 +1646,8 @@ def profile_model(
     fit = (2 if batch > 2 else 0) if fit_batch is None else fit_batch
     is_bert, inputs = _example_inputs(net, batch, seq_len, image_size, label)
     common = dict(repeats=repeats, warmup=warmup, dedupe=dedupe)
-    measured = _measure(blocks, inputs, full=True, tp_degree=tp_degree, **common)
+    measured = _measure(blocks, inputs, full=True, tp_degree=tp_degree,
+                        time_degrees=[d for d in degrees if d > 1], **common)  # fmt: skip
     small = None
     if 1 <= fit < batch:
         _, fit_inputs = _example_inputs(net, fit, seq_len, image_size, label)
@@ -1648,6 +1683,7 @@ def profile_model(
                 tp_activation_bytes=rec.get("tp_activation_bytes", 0.0) if tp_block else 0.0,
                 tp_allreduce_bytes=rec.get("tp_allreduce_bytes", 0.0) if tp_block else 0.0,
                 flops=rec["flops"],
+                tp_time_ratio=rec.get("tp_time_ratio", {}) if tp_block else {},
             )
         )
     source = {
