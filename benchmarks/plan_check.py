@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _report import machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -122,6 +123,10 @@ def median_profile(profiles: list[Profile]) -> Profile:
             v = getattr(block, f.name)
             if isinstance(v, float) and f.name.endswith("_s"):
                 v = statistics.median(getattr(p.blocks[k], f.name) for p in profiles)
+            elif f.name == "tp_time_ratio":  # per degree, over the ranks that measured it
+                v = {d: statistics.median(p.blocks[k].tp_time_ratio[d] for p in profiles
+                                          if d in p.blocks[k].tp_time_ratio)
+                     for d in {d for p in profiles for d in p.blocks[k].tp_time_ratio}}  # fmt: skip
             values[f.name] = v
         for part, whole in (("forward_fixed_s", "forward_s"), ("backward_fixed_s", "backward_s")):
             values[part] = min(values[part], values[whole])
@@ -278,8 +283,7 @@ def main() -> int:
         if world not in CONFIGS:
             p.error(f"--worlds: {world} processes has no configurations; use 2 or 4")
     cores = os.cpu_count() or 1
-    print(f"cpu capability {torch.backends.cpu.get_cpu_capability()}, {cores} cores, "
-          f"torch {torch.__version__}")  # fmt: skip
+    print(machine_line())
     print(f"model: BERT span QA, {args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
           f"vocab {args.vocab}, seq {args.seq_len}, global batch {args.global_batch}, fp32, AdamW")  # fmt: skip
     out = mp.Manager().dict()
