@@ -33,6 +33,7 @@ from trainers.comm.adasum import (
 )
 from trainers.comm.adasum import allreduce as adasum_module
 from trainers.comm.adasum import combiners as adasum_combiners
+from trainers.comm.adasum import kernels as adasum_kernels
 from trainers.optim import create_optimizer, list_optimizers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,6 +164,32 @@ def test_near_overflow_magnitudes(dtype):
         got = adasum_pair(a, b, eps=0.0 if dtype == torch.float32 else 1e-8)
         assert torch.isfinite(got).all()
         assert diff_ratio(mean, as64(got)) < np.finfo(np_dtype).eps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_fused_dots_match_the_blas_dots_and_numpy(dtype, monkeypatch):
+    """The compiled one-pass kernel (long spans on CPU) against the chunked BLAS path and
+    numpy in float64: exact products, float64 sums (only the summation order differs)."""
+    g = torch.Generator().manual_seed(7)
+    n = adasum_kernels._FUSED_MIN + 12345  # uneven; the views below start unaligned
+    a = (torch.randn(n + 3, generator=g) * 3).to(dtype)[3:]
+    b = (torch.randn(n + 1, generator=g) * 1e-2).to(dtype)[1:] + a
+    for x, y in ((a, b), (torch.zeros_like(a), b), (a, -a), (b[:-7], a[7:])):
+        fused = torch.zeros(3, dtype=torch.float64)
+        adasum_kernels._dots(x, y, fused)
+        if adasum_kernels._FUSED[0] is None:
+            pytest.skip("TorchInductor cannot compile here: only the BLAS path runs")
+        blas = torch.zeros(3, dtype=torch.float64)
+        monkeypatch.setattr(adasum_kernels, "_FUSED_MIN", 1 << 62)
+        adasum_kernels._dots(x, y, blas)
+        monkeypatch.undo()
+        x64, y64 = as64(x), as64(y)
+        want = np.array([x64 @ y64, x64 @ x64, y64 @ y64])
+        bound = 1e-13 * np.array([np.abs(x64 * y64).sum(), x64 @ x64, y64 @ y64])
+        for got in (fused.numpy(), blas.numpy()):
+            assert (np.abs(got - want) <= bound).all(), (got, want)
+        if not x.any():  # a zero side (the guard's case) sums to exactly 0
+            assert fused[0] == fused[1] == 0.0
 
 
 def test_without_a_process_group_the_allreduce_is_the_identity():

@@ -1,14 +1,17 @@
 """Adasum's kernels on one rank's slice of a fused buffer: per-tensor dots and a*x + b*y.
 
 Dots and norms accumulate in float64 (products of the widened values, so exact for fp32,
-fp16 and bf16), chunk by chunk on CPU (cache-sized), with the short segments of many small
-tensors reduced together in vectorized runs.
+fp16 and bf16): on CPU, long spans in one fused pass (a kernel TorchInductor compiles on
+first use), others chunk by chunk (cache-sized) with BLAS, the short segments of many small
+tensors together in vectorized runs.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import os
+import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -19,6 +22,9 @@ _CHUNK = 1 << 17  # CPU: elements per dot-product chunk (two float64 rows: 2 MB,
 _AXPBY_CHUNK = 1 << 19  # CPU: elements of fp16/bf16 widened to fp32 at once
 _WIDE = 1e30  # coefficients beyond this would overflow fp32 products: use fp64
 
+
+_FUSED_MIN = 1 << 15  # CPU: spans at least this long go to the fused (compiled) dot kernel
+_FUSED: list[Callable[[Tensor, Tensor, Tensor], None] | None] = []  # made on first use
 
 _BUFFERS: dict[tuple[str, torch.device, torch.dtype], Tensor] = {}
 
@@ -37,18 +43,53 @@ def _workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) 
     return buf[:numel]
 
 
+def _dots_graph(x: Tensor, y: Tensor, out: Tensor) -> None:
+    """``out = (x.y, x.x, y.y)`` of the float64-widened values: the fused kernel's source."""
+    xd, yd = x.double(), y.double()
+    out.copy_(torch.stack([(xd * yd).sum(), (xd * xd).sum(), (yd * yd).sum()]))
+
+
+def _fused_dots(x: Tensor, y: Tensor, out: Tensor) -> bool:
+    """:func:`_dots_graph` compiled by TorchInductor (on first use, once per dtype; seconds)
+    into one pass that widens, multiplies and sums without float64 copies in memory: on CPU
+    about 3x faster than widening chunks and calling BLAS. False when it is off
+    (``MODELZOO_ADASUM_FUSED=0``) or unavailable (no C++ compiler, ...: warned once); the
+    caller then computes the same sums eagerly."""
+    if not _FUSED:
+        enabled = os.environ.get("MODELZOO_ADASUM_FUSED", "1") != "0"
+        _FUSED.append(torch.compile(_dots_graph, dynamic=True, fullgraph=True) if enabled else None)
+    fused = _FUSED[0]
+    if fused is None:
+        return False
+    try:
+        fused(x, y, out)
+    except Exception as err:  # noqa: BLE001 - whatever the compiler lacks: fall back, once
+        _FUSED[0] = None
+        warnings.warn(
+            f"Adasum's fused dot-product kernel is unavailable ({type(err).__name__}: "
+            f"{str(err)[:200]}); computing the dots with BLAS instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
 def _dots(x: Tensor, y: Tensor, out: Tensor) -> None:
     """``out = (x.y, x.x, y.y)`` accumulated in float64.
 
-    On CPU, chunk by chunk: fp32/fp16/bf16 chunks are widened once into a cache-sized float64
-    buffer (two rows, ``x`` and ``y``) and read by three BLAS dot products there; float64
-    chunks are read in place. (MKL's 2x2 Gram product ``W @ W.T`` is slower than three dots
-    on this kind of CPU.) The chunk sums add up in Python floats (float64), which costs no
-    tensor operation per chunk. Elsewhere: one widened copy and three dots, no host sync.
+    On CPU, long spans go to the fused kernel (:func:`_fused_dots`). Otherwise chunk by
+    chunk: fp32/fp16/bf16 chunks are widened once into a cache-sized float64 buffer (two
+    rows, ``x`` and ``y``) and read by three BLAS dot products there; float64 chunks are read
+    in place. (MKL's 2x2 Gram product ``W @ W.T`` is slower than three dots on this kind of
+    CPU.) The chunk sums add up in Python floats (float64), which costs no tensor operation
+    per chunk. Elsewhere: one widened copy and three dots, no host sync.
     """
     if x.device.type != "cpu":
         xd, yd = x.double(), y.double()
         out.copy_(torch.stack([torch.dot(xd, yd), torch.dot(xd, xd), torch.dot(yd, yd)]))
+        return
+    if x.numel() >= _FUSED_MIN and _fused_dots(x, y, out):
         return
     step = min(_CHUNK, x.numel())
     dot, xx, yy = 0.0, 0.0, 0.0
