@@ -23,7 +23,7 @@ _AXPBY_CHUNK = 1 << 19  # CPU: elements of fp16/bf16 widened to fp32 at once
 _WIDE = 1e30  # coefficients beyond this would overflow fp32 products: use fp64
 
 
-_FUSED_MIN = 1 << 15  # CPU: spans at least this long go to the fused (compiled) dot kernel
+_FUSED_MIN = 1 << 14  # CPU: spans at least this long go to the fused (compiled) dot kernel
 _FUSED: list[Callable[[Tensor, Tensor, Tensor], None] | None] = []  # made on first use
 
 _BUFFERS: dict[tuple[str, torch.device, torch.dtype], Tensor] = {}
