@@ -1,8 +1,9 @@
 """Adasum allreduce vs a fused summing allreduce: 4 gloo processes, ResNet-50 gradients.
 
 Ours: :func:`trainers.comm.adasum.adasum_allreduce_` on the 161 tensors of ResNet-50's parameter
-shapes (25.6 M float32 values): fusion into buckets, vector-halving distance-doubling
-exchange, per-tensor dot/norm sums, the pairwise rule, allgather, copy back.
+shapes (25.6 M float32 values): buckets (large tensors in place, small ones packed),
+vector-halving distance-doubling exchange, per-tensor dot/norm sums, the pairwise rule,
+allgather, copy back of the packed ones. The warm-up call also compiles the fused dot kernel.
 Peer: what a data-parallel framework does to sum the same tensors fast — concatenate them into
 one flat (persistent) buffer, ``all_reduce(SUM)`` it (gloo's ring), copy the slices back. Both move the
 same bytes per rank (a reduce-scatter plus an allgather); ours also computes the rule.

@@ -47,8 +47,11 @@ buffer. The result is the Adasum tree over the nodes' means. It needs at least t
 one node it would be plain averaging, so that raises instead of silently averaging.
 
 Tensors are fused into buckets (``bucket_cap_mb``) per dtype and device, so thousands of
-small tensors cost a handful of messages. fp32, fp64, fp16 and bf16 are supported; fp16 and
-bf16 travel as they are and combine in fp32 (dots and norms in fp64).
+small tensors cost a handful of messages. A bucket is one range of elements to the exchange,
+not one copy: large tensors are sent, combined and gathered in their own memory, the small
+ones packed into one buffer. fp32, fp64, fp16 and bf16 are supported; fp16 and bf16 travel
+as they are and combine in fp32 (dots and norms in fp64, on CPU in one fused pass compiled
+on first use, see :mod:`.kernels`).
 
 Two ways to use it with the :class:`~trainers.Trainer`, both through
 :class:`AdasumCombiner` (``--grad-combine adasum``, ``mode`` below):
