@@ -30,10 +30,12 @@ from modelzoo.convert.bert import convert_hf_bert
 from modelzoo.nlp.bert import BertConfig, BertForQuestionAnswering
 
 
-def make_models(device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
+def make_models(
+    device: torch.device, config: BertConfig | None = None
+) -> tuple[torch.nn.Module, torch.nn.Module]:
     import transformers
 
-    config = BertConfig()  # BERT-Base
+    config = config or BertConfig()  # BERT-Base
     hf_config = transformers.BertConfig(**config.to_hf(), attn_implementation="sdpa")
     torch.manual_seed(0)
     hf = transformers.BertForQuestionAnswering(hf_config)

@@ -902,29 +902,12 @@ class Plan:
         return self.tensor_parallel == 1 or self.pipeline_parallel == 1
 
     def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"format": PLAN_FORMAT, "model": self.model}
-        if self.seq_len is not None:
-            data["seq_len"] = self.seq_len
-        if self.image_size is not None:
-            data["image_size"] = self.image_size
-        data.update(
-            global_batch=self.global_batch,
-            devices=self.devices,
-            tensor_parallel=self.tensor_parallel,
-            pipeline_parallel=self.pipeline_parallel,
-            data_parallel=self.data_parallel,
-            micro_batches=self.micro_batches,
-            schedule=self.schedule,
-            boundaries=list(self.boundaries),
-            predicted_step_s=self.predicted_step_s,
-            breakdown=self.breakdown,
-            memory_per_device_bytes=self.memory_per_device_bytes,
-            memory_limit_bytes=self.memory_limit_bytes,
-            optimizer_state_factor=self.optimizer_state_factor,
-            overlap=self.overlap,
-            network=self.network,
-            profile=self.profile,
-        )
+        data: dict[str, Any] = {"format": PLAN_FORMAT}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("seq_len", "image_size") and value is None:
+                continue  # exactly one of the two is written
+            data[f.name] = list(value) if f.name == "boundaries" else value
         return data
 
     @classmethod
