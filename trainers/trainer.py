@@ -169,7 +169,11 @@ class Trainer:
         self.epoch_step = 0  # optimizer steps done in this epoch
         self._interval = _Meter()
         self._epoch_meter = _Meter()
-        self._metric_names: list[str] = []  # train_step's metric names (for skipped steps)
+        # train_step's metric names, None until this fit computed a step: a rank that skips a
+        # step still offers them (as zeros) to the metric reduction, so it may skip only
+        # once it knows them (else its vector is shorter than the others' and the
+        # collective mismatches: the coded suite's run hung so under load)
+        self._metric_names: list[str] | None = None
         slow = config.inject_straggler
         self._slow_factor = slow[1] - 1.0 if slow is not None and slow[0] == self.env.rank else 0.0
         self._epoch_seconds = 0.0  # training time of this epoch before a resume
@@ -229,7 +233,8 @@ class Trainer:
                 # ---- one micro-step: forward + backward, no gradient sync unless last -------
                 if j % cfg.grad_accum_steps == 0:  # the last step of an epoch may be shorter
                     group = min(cfg.grad_accum_steps, len(micro_sizes) - j)
-                    skip = self.combiner.skips_step()  # a late rank the step does not need
+                    # a late rank the step does not need (never this fit's first step)
+                    skip = self._metric_names is not None and self.combiner.skips_step()
                 last_micro = j % cfg.grad_accum_steps == group - 1
                 if skip:
                     self._interval.touch(self._metric_names)

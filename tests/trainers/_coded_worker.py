@@ -5,7 +5,8 @@
 the step, and the applied mean) and, per step, one injected slow rank (a sleep before its
 forward); with STRAGGLERS 0 also the same run under DDP averaging. With a fourth argument
 ``persistent``: 12 steps of 50 ms of "compute" each, rank 2 slowed 2x at every step by
-``--inject-straggler 2:2``, and the same run without the straggler. Each rank saves
+``--inject-straggler 2:2``, the same run without the straggler, and that run again with rank
+2 starting ``DELAY`` late. Each rank saves
 ``OUTDIR/rank{r}.pt``.
 """
 
@@ -29,6 +30,9 @@ STEPS, BATCH, SEED, DELAY = 6, 2, 3, 1.0
 # that fell behind stays behind (nobody waits for it): the root's child 1 (first of its
 # group), grandchild 3 (first under 1), grandchild 6 (second under 2). None: no straggler.
 SLOW = {7: [None, 1, None, 3, None, 6], 3: [None, 2, None, None, None, None]}
+# The rank slowed 2x at every step in ``persistent`` mode: a leaf of the one-level tree, an
+# inner node (parent of 3 and 4) of the two-level one
+PERSISTENT = {3: 2, 7: 1}
 
 
 class Recording(CodedReduceCombiner):
@@ -52,6 +56,7 @@ def run(
     straggler=None,
     steps: int = STEPS,
     log_interval: int = 1,
+    late: float = 0.0,
 ) -> Trainer:
     model = make_mlp(seed=0).double()
 
@@ -69,6 +74,8 @@ def run(
         env=env, logger=RunLogger(None, enabled=False), lr_schedule=lr_fn, train_step=step,
         combiner=combiner,
     )  # fmt: skip
+    if env.rank == 2:  # after the constructor's broadcast: the root decides step 0 without us
+        time.sleep(late)
     trainer.fit(ToyDataset(48))
     return trainer
 
@@ -77,10 +84,22 @@ def persistent(out: Path, env: DistEnv) -> None:
     steps = 12
     coded = Recording(stragglers=1)
     slowed = run(
-        env, coded, [None] * steps, compute=0.05, straggler=(2, 2.0), steps=steps, log_interval=0
+        env,
+        coded,
+        [None] * steps,
+        compute=0.05,
+        straggler=(PERSISTENT[env.world_size], 2.0),
+        steps=steps,
+        log_interval=0,
     )  # step records are collectives: every rank would wait
     reference = run(env, CodedReduceCombiner(stragglers=1), [None] * steps, steps=steps)
+    # rank 2 starts DELAY late with metrics logged every step: step 0 is decided (and the root
+    # waits in the step's metric reduction) when it starts; it must still compute step 0, or
+    # it would not know the metric names the reduction needs (the collective would mismatch)
+    late = Recording(stragglers=1)
+    late_run = run(env, late, [None] * steps, steps=steps, late=DELAY)
     torch.save({
+        "late_local": late.local, "late_params": [p.detach().clone() for p in late_run.model.parameters()],
         "skipped": coded.skipped, "local": coded.local, "waited": coded.waited,
         "params": [p.detach().clone() for p in slowed.model.parameters()],
         "reference": [p.detach().clone() for p in reference.model.parameters()],

@@ -2,12 +2,15 @@
 
 Shared by the multi-process tests: each worker is ``python -m <module> <args...>`` with the
 torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...), one thread each. A
-worker that fails or outlives ``timeout`` fails the test with every rank's output.
+worker that fails or outlives ``timeout`` fails the test with every rank's output; on a
+timeout that output ends with each rank's Python stacks (``faulthandler`` on SIGABRT), so a
+hang names the line every rank waits in.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +41,7 @@ def run_ranks(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
+            PYTHONFAULTHANDLER="1",  # SIGABRT on a timeout prints every thread's stack
             PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
         )
         procs.append(
@@ -55,9 +59,24 @@ def run_ranks(
         try:
             outputs.append(p.communicate(timeout=timeout)[0])
         except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
+            raise TimeoutError(f"{module} {args}: not finished after {timeout} s\n"
+                               + _stacks(procs)) from None  # fmt: skip
     for rank, (p, text) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0, f"{module} rank {rank} failed:\n{text}"
     return outputs
+
+
+def _stacks(procs: list[subprocess.Popen]) -> str:
+    """Abort every rank still running and return each rank's output with its stacks."""
+    for q in procs:
+        if q.poll() is None:
+            q.send_signal(signal.SIGABRT)
+    texts = []
+    for rank, q in enumerate(procs):
+        try:
+            text = q.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            q.kill()
+            text = q.communicate()[0]
+        texts.append(f"----- rank {rank} (exit {q.returncode}) -----\n{text}")
+    return "\n".join(texts)

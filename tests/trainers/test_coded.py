@@ -4,7 +4,9 @@ Oracles: the mean of the step's distinct data parts computed here from every ran
 local gradient (float64) for a straggler at every position of a 7-rank, 2-level tree; the
 ranks that share data computing bit-identical gradients; the root not waiting for a slow
 child; a rank slowed 2x at every step skipping the steps decided without it while the model
-stays bit for bit that of the run without it; with no tolerance (s = 0) the whole run equal to
+stays bit for bit that of the run without it; a rank starting late computing its first step; the same skipping by an inner node of a
+two-level tree;
+with no tolerance (s = 0) the whole run equal to
 DDP's averaging.
 """
 
@@ -108,6 +110,36 @@ def test_a_persistent_straggler_catches_up_by_skipping_decided_steps(persistent3
     # on every rank as the same run without it
     for r in persistent3:
         for a, b in zip(r["params"], root["reference"], strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def persistent7(tmp_path_factory):
+    return _launch(tmp_path_factory, 7, 2, 1, "persistent")
+
+
+def test_a_persistent_inner_straggler_skips_in_a_two_level_tree(persistent7):
+    # rank 1 (parent of 3 and 4) twice as slow at every step: it skips decided steps while
+    # still draining its children's messages, nobody else skips, and every rank ends with
+    # the model of the run without it; rank 2 (an inner node too) starting late computes
+    # its first step
+    assert persistent7[1]["skipped"] >= 1
+    assert [r["skipped"] for i, r in enumerate(persistent7) if i != 1] == [0] * 6
+    assert persistent7[2]["late_local"][0] is not None
+    for r in persistent7:
+        for a, b in zip(r["params"], persistent7[0]["reference"], strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(r["late_params"], r["reference"], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_a_rank_starting_late_computes_its_first_step_then_catches_up(persistent3):
+    # step 0 was decided before rank 2 started; skipping it, rank 2 would not know the metric
+    # names that every step's metric reduction sums, and the collective would mismatch (the
+    # suite hung so under load). It computes step 0, and the run ends as without the delay.
+    assert persistent3[2]["late_local"][0] is not None
+    for r in persistent3:
+        for a, b in zip(r["late_params"], r["reference"], strict=True):
             assert torch.equal(a, b)
 
 

@@ -209,7 +209,9 @@ class GradCombiner:
         """Before an optimizer step's first forward: ``True`` when this rank's gradient cannot
         matter any more (CodedReduce: a late rank whose step the root has already decided), so
         the trainer skips the step's forward and backward (the batches are still drawn) and
-        calls :meth:`reduce_gradients` with no gradients. Default: never."""
+        calls :meth:`reduce_gradients` with no gradients. Not asked before a fit's first
+        step (the trainer computes one step to learn the metric names that a skipping rank
+        still reports as zeros). Default: never."""
         return False
 
     def checkpoint_model(self) -> dict[str, Any] | None:

@@ -35,10 +35,11 @@ already decided, its gradient cannot matter, so it skips the step's forward and 
 parent a message of zeros (which is discarded like every late message: the root took this
 step's parts from faster members), and applies the received update like every rank. A rank
 slowed once thus catches up, and a rank slowed at every step (``--inject-straggler 2:2``)
-computes about every other step while the others keep their pace. **Only in one-level trees**
-(the default branching): in a 2-level tree (7 ranks, branching 2) the suite's run hung once
-under load with three ranks waiting for an update the root had sent, a bug not yet found, so
-deeper trees do not skip (their late ranks compute every step and stay behind). Without the store (a
+computes about every other step while the others keep their pace. An inner node that skips
+still drains its children's messages; everything it sends up for a decided step is late at
+its destination and discarded. A fit's first step is always computed (the trainer needs this
+rank's metric names for the metric reductions; a rank that skipped it offered a shorter vector
+and the collective hung, which is why deeper trees did not skip before). Without the store (a
 process group not made by ``init_process_group``) late ranks compute every step and stay
 behind.
 """
@@ -192,15 +193,14 @@ class CodedReduceCombiner(GradCombiner):
         self.skipped = 0  # steps this rank did not compute (already decided when it got there)
         self._skip = False
         self._store: Any = None
-        self._catches_up = False  # set in prepare(): a non-root rank of a one-level tree
+        self._catches_up = False  # set in prepare(): a non-root rank
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
     ) -> nn.Module:
         super().prepare(model, optimizer, env)
         self.tree = self._tree(env.world_size)
-        one_level = not any(self.tree.children[c] for c in self.tree.children[0])
-        self._catches_up = env.distributed and env.rank != 0 and one_level  # module docstring
+        self._catches_up = env.distributed and env.rank != 0  # module docstring
         self.counter.set_model(model)
         if env.distributed:
             self._store = _default_store()
@@ -315,6 +315,7 @@ class CodedReduceCombiner(GradCombiner):
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
         super().step(optimizer, scaler)
         self.steps += 1
+        self._skip = False  # until skips_step() says otherwise for the next step
 
     def metrics(self) -> dict[str, float]:
         return self.counter.metrics() if self.env is not None and self.env.distributed else {}
