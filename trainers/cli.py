@@ -457,11 +457,11 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "experiments, docs/communication.md)",
     )
     for entry in combiner_flags().values():
-        if entry.kind is bool:
+        if entry.kind is bool:  # --flag / --no-flag; None: the mode's own default
             g.add_argument(
                 entry.flag,
                 dest=entry.dest,
-                action="store_true",
+                action=argparse.BooleanOptionalAction,
                 default=None,
                 help=_flag_help(entry),
             )

@@ -266,21 +266,28 @@ def test_gradient_mode_with_one_rank_is_plain_sgd(optimizer):
 
 def test_gradient_mode_scales_the_guard_with_the_fp16_loss_scale(monkeypatch):
     """Scaled gradients combine like unscaled ones: eps grows with the square of the scale."""
-    seen = {}
+    seen = []
     monkeypatch.setattr(adasum_combiners.dist, "all_reduce", lambda *args, **kwargs: None)
+    monkeypatch.setattr(adasum_combiners.dist, "broadcast", lambda *args, **kwargs: None)
+    monkeypatch.setattr(adasum_combiners, "broadcast_", lambda *args, **kwargs: None)
     monkeypatch.setattr(
         adasum_combiners,
-        "adasum_allreduce_",
-        lambda tensors, **kwargs: seen.update(n=len(tensors), **kwargs),
+        "adasum_bucket_allreduce_",
+        lambda tensors, **kwargs: seen.append(dict(n=len(tensors), **kwargs)),
     )
-    combiner = AdasumCombiner(mode="gradient")
-    combiner.model, combiner.env = make_mlp(), DistEnv(rank=0, world_size=2)
+    combiner = AdasumCombiner(mode="gradient", overlap=False)
+    model = make_mlp()
+    combiner.prepare(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), DistEnv(rank=0, world_size=2)
+    )
     for p in combiner.model.parameters():
         p.grad = torch.ones_like(p)
     combiner.reduce_gradients(torch.amp.GradScaler("cpu", init_scale=1024.0))
-    assert seen["n"] == 4 and seen["eps"] == pytest.approx(GUARD * 1024.0**2)
+    assert sum(s["n"] for s in seen) == 4
+    assert all(s["eps"] == pytest.approx(GUARD * 1024.0**2) for s in seen)
+    seen.clear()
     combiner.reduce_gradients(None)
-    assert seen["eps"] == GUARD
+    assert seen and {s["eps"] for s in seen} == {GUARD}
 
 
 def test_hierarchical_on_one_node_raises_instead_of_averaging():

@@ -14,7 +14,7 @@ from torch import Tensor
 from .kernels import _BUFFERS, _accumulate_dots, _apply_, _workspace
 from .rule import EPS, _coefficients
 
-__all__ = ["DEFAULT_BUCKET_CAP_MB", "adasum_allreduce_"]
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "adasum_allreduce_", "adasum_bucket_allreduce_"]
 
 DEFAULT_BUCKET_CAP_MB = 64.0  # Horovod's default fusion threshold
 _PIECE = 1 << 20  # elements per message of a level: the grain of communication overlap
@@ -361,6 +361,25 @@ def adasum_allreduce_(
     for bucket in _buckets(tensors, cap):
         _allreduce_bucket([tensors[i] for i in bucket], plan, eps, shared)
     return tensors
+
+
+@torch.no_grad()
+def adasum_bucket_allreduce_(
+    tensors: Sequence[Tensor], *, local_size: int = 1, eps: float = EPS
+) -> None:
+    """:func:`adasum_allreduce_` of ``tensors`` as **one** bucket, whatever their size (the
+    caller cut the buckets: the overlapped gradient mode, :mod:`trainers.comm.overlap`).
+    Same collective rules; the tensors share one device and dtype."""
+    if not tensors or not dist.is_available() or not dist.is_initialized():
+        return
+    if dist.get_world_size() == 1:
+        return
+    kinds = {(t.device, t.dtype) for t in tensors}
+    if len(kinds) > 1 or not all(t.is_floating_point() and not t.is_sparse for t in tensors):
+        raise TypeError(f"one bucket needs dense floating-point tensors of one kind, got {kinds}")
+    plan = _get_plan(local_size, tensors[0].device)
+    shared = _overlapping(tensors) if local_size == 1 else set()
+    _allreduce_bucket(list(tensors), plan, eps, shared)
 
 
 def _allreduce_bucket(tensors: list[Tensor], plan: _Plan, eps: float, shared: set[int]) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,8 @@ from torch import Tensor, nn
 from ...dist import DistEnv
 from ..base import GradCombiner, option, register_combiner
 from ..flat import broadcast_, restore_optimizer_state
-from .allreduce import DEFAULT_BUCKET_CAP_MB, adasum_allreduce_
+from ..overlap import BackwardBuckets
+from .allreduce import DEFAULT_BUCKET_CAP_MB, adasum_allreduce_, adasum_bucket_allreduce_
 from .rule import EPS
 
 __all__ = ["ADASUM_MODES", "AdasumCombiner", "AdasumOptions", "resolve_adasum_mode"]
@@ -59,6 +61,12 @@ class AdasumOptions:
     bucket_cap_mb: float = option(
         DEFAULT_BUCKET_CAP_MB, "fusion bucket size in MB (Horovod's)", flag="--adasum-bucket-cap-mb"
     )
+    overlap: bool = option(
+        True,
+        "gradient mode: reduce each bucket (in backward order) while the backward computes "
+        "the gradients below it; same results as --no-adasum-overlap",
+        flag="--adasum-overlap",
+    )
 
     def __post_init__(self) -> None:
         if self.mode not in ADASUM_MODES:
@@ -79,7 +87,11 @@ class AdasumCombiner(GradCombiner):
     combined; the guard ``eps`` is scaled with it (``eps * scale**2``), so fp16 and
     fp32 runs combine alike, and a non-finite gradient on any rank reaches every rank, which
     then skip the step together. A parameter without a gradient on some ranks counts as zero
-    there; one without a gradient anywhere keeps ``grad=None``.
+    there; one without a gradient anywhere keeps ``grad=None``. The gradients are cut into
+    buckets of ``bucket_cap_mb`` in backward order (the reverse of ``model.parameters()``),
+    and with ``overlap`` (the default) each bucket is reduced on a worker thread as soon as
+    the backward has accumulated its last gradient (:mod:`trainers.comm.overlap`), from the
+    second step on: the same buckets, the same arithmetic, the same results as without.
 
     **Delta mode** (the default; Horovod's ``DistributedOptimizer(op=Adasum)``): every rank runs
     ``optimizer.step()`` (``scaler.step`` under fp16) on its own gradients from the same
@@ -104,6 +116,8 @@ class AdasumCombiner(GradCombiner):
         self.local_size = 1
         self._scaler: torch.amp.GradScaler | None = None
         self._pending_scaler: dict[str, Any] | None = None
+        # gradient mode: the parameters in backward order, their buckets and the hooks
+        self._overlap: BackwardBuckets | None = None
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
@@ -116,7 +130,31 @@ class AdasumCombiner(GradCombiner):
             self.local_size = _check_hierarchy(env)
         # Like DistributedDataParallel: every rank starts from rank 0's weights and buffers.
         broadcast_(list(model.parameters()) + list(model.buffers()))
+        if self.mode == "gradient":  # the hooks record the backward order in the first step
+            params = [p for p in model.parameters() if p.requires_grad][::-1]
+            cap = max(1, int(self.options.bucket_cap_mb * 2**20))
+            self._overlap = BackwardBuckets(params, cap, self._reduce_bucket)
         return model
+
+    def _reduce_bucket(self, b: int, grads: list[Tensor]) -> None:
+        """One bucket of gradient mode (on the overlap worker, or in ``reduce_gradients``)."""
+        eps = self.options.eps
+        if self._scaler is not None:  # fp16: the gradients carry the loss scale
+            eps *= self._scaler.get_scale() ** 2
+        adasum_bucket_allreduce_(grads, local_size=self.local_size, eps=eps)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulation micro-steps: the overlap hooks launch nothing."""
+        overlap = self._overlap
+        armed = overlap is not None and overlap.armed
+        if overlap is not None:
+            overlap.armed = False
+        try:
+            yield
+        finally:
+            if overlap is not None:
+                overlap.armed = armed
 
     def _sync_buffers(self) -> None:
         """Rank 0's buffers (BatchNorm statistics) everywhere, as DDP does before a forward."""
@@ -134,21 +172,34 @@ class AdasumCombiner(GradCombiner):
     def reduce_gradients(self, scaler: torch.amp.GradScaler | None) -> None:
         if self.mode != "gradient" or not self._distributed():
             return
-        assert self.model is not None and self.env is not None
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        assert self.env is not None and self._overlap is not None
+        buckets = self._overlap
+        params = buckets.params
         has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+        for p in params:
+            if p.grad is not None and p.grad.is_sparse:
+                raise TypeError("Adasum does not support sparse gradients")
+        self._scaler = scaler
+        if buckets.armed:
+            buckets.finish()  # the buckets the backward did not launch, then wait for all
+        else:
+            for p in params:  # a parameter without a gradient here counts as zero
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            for b, bucket in enumerate(buckets.buckets):
+                self._reduce_bucket(b, [params[i].grad for i in bucket])  # type: ignore[misc]
+        # after the reduction (the overlap worker may have started before every rank knew):
+        # a parameter without a gradient on any rank keeps grad=None (its zeros stayed zero)
         has = has.to(self.env.device)
-        dist.all_reduce(has, op=dist.ReduceOp.MAX)  # tiny; keeps the ranks agreed
-        grads = []
+        dist.all_reduce(has, op=dist.ReduceOp.MAX)
         for p, anywhere in zip(params, has.tolist(), strict=True):
-            if anywhere and p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if p.grad is not None:
-                if p.grad.is_sparse:
-                    raise TypeError("Adasum does not support sparse gradients")
-                grads.append(p.grad)
-        eps = self.options.eps
-        self._allreduce(grads, eps * scaler.get_scale() ** 2 if scaler is not None else eps)
+            if not anywhere:
+                p.grad = None
+        if buckets.recording:  # after the first step: rank 0's backward order for everyone
+            order = torch.tensor(buckets.observed_order(), device=self.env.device)
+            dist.broadcast(order, 0)
+            buckets.rebuild(order.tolist())
+            buckets.armed = self.options.overlap  # from the second step on
 
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
         if not self._distributed():
@@ -173,6 +224,11 @@ class AdasumCombiner(GradCombiner):
             for d, s in zip(deltas, start, strict=True):
                 d.add_(s)
         self._sync_buffers()
+
+    def close(self) -> None:
+        """End of ``fit``: stop the overlap worker thread (a later step starts it again)."""
+        if self._overlap is not None:
+            self._overlap.close()
 
     def state_dict(self) -> dict[str, Any]:
         """Delta mode: this rank's optimizer moments and loss scale (rank 0's are the

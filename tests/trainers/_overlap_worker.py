@@ -1,0 +1,94 @@
+"""One rank of test_overlap.py (torchrun's variables set): Adasum gradient mode through the
+Trainer, with and without the backward overlap.
+
+``python -m tests.trainers._overlap_worker OUTDIR``: the same float32 run twice (6 steps of
+2 accumulated micro-batches, buckets of about one layer, a branch used only on rank 1 and a
+parameter used nowhere), once with ``overlap`` and once without; each rank saves
+``OUTDIR/rank{r}.pt`` with both runs' parameters and, per step, how many buckets the
+backward hooks launched before ``reduce_gradients``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.trainers._trainer_toys import CLASSES, DIM, ToyDataset, lr_fn
+from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
+from trainers.comm.adasum import AdasumCombiner
+
+STEPS, BATCH, ACCUM = 6, 4, 2
+
+
+class Net(nn.Module):
+    """Four layers (one bucket each at the test's cap), a branch only rank 1 runs, and a
+    parameter no rank uses."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rank = rank
+        self.a = nn.Linear(DIM, 64)
+        self.b = nn.Linear(64, 64)
+        self.side = nn.Linear(64, 64)  # rank 1 only
+        self.c = nn.Linear(64, 64)
+        self.head = nn.Linear(64, CLASSES)
+        self.unused = nn.Parameter(torch.ones(5))
+
+    def forward(self, x):
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        if self.rank == 1:
+            h = h + 0.5 * torch.tanh(self.side(h))
+        return self.head(torch.tanh(self.c(h)))
+
+
+class Recording(AdasumCombiner):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.early: list[int] = []
+
+    def reduce_gradients(self, scaler) -> None:
+        super().reduce_gradients(scaler)
+        self.early.append(self._overlap.last_launched_early if self._overlap else 0)
+
+
+def run(env: DistEnv, overlap: bool) -> tuple[list[torch.Tensor], list[int], list]:
+    model = Net(env.rank)
+    combiner = Recording(mode="gradient", overlap=overlap, bucket_cap_mb=0.02)
+
+    def step(m, batch):
+        x, y = batch
+        return F.cross_entropy(m(x), y), {}
+
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=lr_fn(0), momentum=0.9, weight_decay=1e-4),
+        TrainerConfig(epochs=1, max_steps=STEPS, batch_size=BATCH, grad_accum_steps=ACCUM,
+                      seed=1, log_interval=1, progress=False),
+        env=env, logger=RunLogger(None, enabled=False), lr_schedule=lr_fn, train_step=step,
+        combiner=combiner,
+    )  # fmt: skip
+    trainer.fit(ToyDataset(STEPS * BATCH * ACCUM * env.world_size))
+    layout = combiner._overlap
+    names = {p: n for n, p in model.named_parameters()}
+    buckets = [[names[layout.params[i]] for i in b] for b in layout.buckets]
+    return [p.detach().clone() for p in model.parameters()], combiner.early, buckets
+
+
+def main(out: Path) -> None:
+    torch.set_num_threads(1)
+    with DistEnv.from_env(device="cpu") as env:
+        overlapped, early, buckets = run(env, overlap=True)
+        plain, plain_early, _ = run(env, overlap=False)
+        torch.save(
+            {"overlap": overlapped, "plain": plain, "early": early, "plain_early": plain_early,
+             "buckets": buckets},
+            out / f"rank{env.rank}.pt",
+        )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
