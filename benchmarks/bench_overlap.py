@@ -20,7 +20,7 @@ fraction of the reduction's time taken off the step, per round and its median; t
 ``benchmarks/_report.py``'s lines with ``ratio = T_p / T_o`` (the speed-up of the step).
 Both runs' gradients are checked equal bit for bit at every step.
 
-Usage: python benchmarks/bench_overlap.py [--world-size 2] [--rounds 7] [--gbps 10]
+Usage: python benchmarks/bench_overlap.py [--world-size 2] [--rounds 7] [--gbps 1]
        [--latency-ms 0.5] [--json benchmarks/results/bench_overlap.json]
 """
 
@@ -160,10 +160,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--steps", type=int, default=3, help="steps per side per round")
     parser.add_argument("--bucket-cap-mb", type=float, default=4.5)
-    parser.add_argument("--gbps", type=float, default=10.0, help="injected link bandwidth")
+    parser.add_argument("--gbps", type=float, default=1.0, help="injected link bandwidth")
     parser.add_argument("--latency-ms", type=float, default=0.5, help="injected per message")
     _report.add_args(parser)
     args = parser.parse_args()
