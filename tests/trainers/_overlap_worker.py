@@ -1,11 +1,14 @@
-"""One rank of test_overlap.py (torchrun's variables set): Adasum gradient mode through the
-Trainer, with and without the backward overlap.
+"""One rank of test_overlap.py (torchrun's variables set): Adasum gradient mode and bucketed
+error feedback through the Trainer, with and without the backward overlap.
 
-``python -m tests.trainers._overlap_worker OUTDIR``: the same float32 run twice (6 steps of
-2 accumulated micro-batches, buckets of about one layer, a branch used only on rank 1 and a
-parameter used nowhere), once with ``overlap`` and once without; each rank saves
-``OUTDIR/rank{r}.pt`` with both runs' parameters and, per step, how many buckets the
-backward hooks launched before ``reduce_gradients``.
+``python -m tests.trainers._overlap_worker OUTDIR MODE``: float32 runs of 6 steps of 2
+accumulated micro-batches, buckets of about one layer, a branch used only on rank 1 and a
+parameter used nowhere. MODE ``adasum``: gradient mode with and without ``overlap``. MODE
+``ef``: top-k error feedback in buckets with and without ``overlap`` (recording each
+bucket's local gradients, residual before the step and the applied mean), and fp16
+compression in buckets against the whole-vector path. Each rank saves
+``OUTDIR/rank{r}.pt`` with the runs' parameters and, per step, how many buckets the backward
+hooks launched before ``reduce_gradients``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch import nn
 from tests.trainers._trainer_toys import CLASSES, DIM, ToyDataset, lr_fn
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
 from trainers.comm.adasum import AdasumCombiner
+from trainers.comm.ef import ErrorFeedbackCombiner
 
 STEPS, BATCH, ACCUM = 6, 4, 2
 
@@ -56,9 +60,31 @@ class Recording(AdasumCombiner):
         self.early.append(self._overlap.last_launched_early if self._overlap else 0)
 
 
-def run(env: DistEnv, overlap: bool) -> tuple[list[torch.Tensor], list[int], list]:
+class RecordingEF(ErrorFeedbackCombiner):
+    """Per step and bucket: (step, bucket, local gradient, residual before, applied mean)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.early: list[int] = []
+        self.log: list[tuple] = []
+
+    def _reduce_bucket(self, b, grads):
+        params = [self._buckets.params[i] for i in self._buckets.buckets[b]]
+        local = torch.cat([g.reshape(-1) for g in grads]).clone()
+        before = torch.cat([self.residual[self._views[p]] for p in params]).clone()
+        super()._reduce_bucket(b, grads)
+        applied = torch.cat([g.reshape(-1) for g in grads]).clone()
+        self.log.append((self.steps, b, local, before, applied))
+
+    def reduce_gradients(self, scaler) -> None:
+        super().reduce_gradients(scaler)
+        self.early.append(self._buckets.last_launched_early if self._buckets else 0)
+
+
+def run(env: DistEnv, overlap: bool, combiner=None) -> tuple[list[torch.Tensor], list[int], list]:
     model = Net(env.rank)
-    combiner = Recording(mode="gradient", overlap=overlap, bucket_cap_mb=0.02)
+    if combiner is None:
+        combiner = Recording(mode="gradient", overlap=overlap, bucket_cap_mb=0.02)
 
     def step(m, batch):
         x, y = batch
@@ -72,15 +98,33 @@ def run(env: DistEnv, overlap: bool) -> tuple[list[torch.Tensor], list[int], lis
         combiner=combiner,
     )  # fmt: skip
     trainer.fit(ToyDataset(STEPS * BATCH * ACCUM * env.world_size))
-    layout = combiner._overlap
+    layout = getattr(combiner, "_overlap", None) or combiner._buckets
+    if layout is None:  # the whole-vector path
+        return [p.detach().clone() for p in model.parameters()], [], []
     names = {p: n for n, p in model.named_parameters()}
     buckets = [[names[layout.params[i]] for i in b] for b in layout.buckets]
     return [p.detach().clone() for p in model.parameters()], combiner.early, buckets
 
 
-def main(out: Path) -> None:
+def ef(env: DistEnv, out: Path) -> None:
+    runs = {}
+    for name, kwargs in (
+        ("overlap", dict(compressor="topk", ratio=0.1, bucket_mb=0.02)),
+        ("plain", dict(compressor="topk", ratio=0.1, bucket_mb=0.02, overlap=False)),
+        ("fp16_buckets", dict(compressor="fp16", bucket_mb=0.02)),
+        ("fp16_whole", dict(compressor="fp16")),
+    ):
+        combiner = RecordingEF(seed=1, **kwargs)
+        params, early, buckets = run(env, overlap=True, combiner=combiner)
+        runs[name] = {"params": params, "early": early, "buckets": buckets, "log": combiner.log}
+    torch.save(runs, out / f"rank{env.rank}.pt")
+
+
+def main(out: Path, mode: str = "adasum") -> None:
     torch.set_num_threads(1)
     with DistEnv.from_env(device="cpu") as env:
+        if mode == "ef":
+            return ef(env, out)
         overlapped, early, buckets = run(env, overlap=True)
         plain, plain_early, _ = run(env, overlap=False)
         torch.save(
@@ -91,4 +135,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), *sys.argv[2:])

@@ -1,9 +1,13 @@
-"""Communication overlapped with the backward (``trainers.comm.overlap``, Adasum gradient mode).
+"""Communication overlapped with the backward (``trainers.comm.overlap``): Adasum gradient
+mode and bucketed error feedback.
 
 Oracles: the plain path (the same buckets reduced after the backward) bit for bit, on 2 gloo
 processes through the Trainer with accumulation, a branch only one rank runs and a parameter
-no rank uses; the hooks' launch times against the backward's own progress (a reduction
-that starts before the backward has returned); the bucket rule recomputed by hand.
+no rank uses; bucketed fp16 error feedback against the whole-vector path (an elementwise
+compressor does not care about buckets); bucketed top-k error feedback against the rule
+recomputed here from both ranks' recorded inputs; the hooks' launch times against the
+backward's own progress (a reduction that starts before the backward has returned); the
+bucket rule recomputed by hand.
 """
 
 from __future__ import annotations
@@ -142,3 +146,50 @@ def test_overlapped_adasum_equals_the_plain_path_bit_for_bit(adasum2):
     assert adasum2[0]["buckets"] == adasum2[1]["buckets"]
     assert adasum2[0]["buckets"][0][:2] == ["head.bias", "head.weight"]
     assert adasum2[0]["buckets"][-1][-2:] == ["side.weight", "unused"]
+
+
+@pytest.fixture(scope="module")
+def ef2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("overlap_ef")
+    run_ranks("tests.trainers._overlap_worker", [str(out), "ef"], world=2, timeout=300)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.mark.dist
+def test_overlapped_error_feedback_equals_the_plain_path_and_fp16_the_whole_vector(ef2):
+    for r in ef2:
+        for a, b in zip(r["overlap"]["params"], r["plain"]["params"], strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(r["overlap"]["params"], ef2[0]["overlap"]["params"], strict=True):
+            assert torch.equal(a, b)
+        assert r["overlap"]["early"][0] == 0 and min(r["overlap"]["early"][1:]) >= 1
+        assert r["plain"]["early"] == [0] * 6
+        # fp16 is elementwise: cutting the vector into buckets changes nothing
+        for a, b in zip(r["fp16_buckets"]["params"], r["fp16_whole"]["params"], strict=True):
+            assert torch.equal(a, b)
+    assert ef2[0]["overlap"]["buckets"] == ef2[1]["overlap"]["buckets"]
+
+
+@pytest.mark.dist
+def test_bucketed_top_k_error_feedback_is_the_rule_per_bucket(ef2):
+    """Per step and bucket: x = g + e on each rank, c = its top 10 % by magnitude, every rank
+    applies mean(c), and the next step's residual of the bucket is x - c."""
+    logs = [{(t, b): (g, e, m) for t, b, g, e, m in r["overlap"]["log"]} for r in ef2]
+    assert logs[0].keys() == logs[1].keys() and len(logs[0]) >= 6 * 2
+    for key in logs[0]:
+        cs = []
+        for log in logs:
+            g, e, _ = log[key]
+            x = g.double() + e.double()
+            k = min(x.numel(), max(1, round(x.numel() * 0.1)))
+            c = torch.zeros_like(x)
+            top = x.abs().topk(k).indices
+            c[top] = x[top]
+            cs.append((x, c))
+        mean = (cs[0][1] + cs[1][1]) / 2
+        for rank, log in enumerate(logs):
+            torch.testing.assert_close(log[key][2].double(), mean, rtol=1e-6, atol=1e-7)
+            after = log.get((key[0] + 1, key[1]))
+            if after is not None and key[0] >= 1:  # same layout from the second step on
+                x, c = cs[rank]
+                torch.testing.assert_close(after[1].double(), x - c, rtol=1e-6, atol=1e-7)

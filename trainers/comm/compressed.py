@@ -113,13 +113,18 @@ class CompressedCombiner(GradCombiner):
         )
         return shared, local
 
-    def _reduce(self, x: Tensor, compressor: Compressor, salt: int) -> tuple[Tensor, Tensor]:
-        """``x`` is laid out as the flat trainable parameters (what ``importance`` weighs)."""
+    def _reduce(
+        self, x: Tensor, compressor: Compressor, salt: int, params: list[Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """``x`` is laid out as the flat ``params`` (default: the trainable parameters), what
+        ``importance`` weighs."""
         assert self.env is not None and self.model is not None
         shared, local = self._generators(salt)
         weights = None
         if compressor.shares_selection:
-            weights = flatten([p for p in self.model.parameters() if p.requires_grad], x.dtype)
+            if params is None:
+                params = [p for p in self.model.parameters() if p.requires_grad]
+            weights = flatten(params, x.dtype)
         report: dict[str, Any] = {}
         mean, own, sent = compressed_allreduce(
             compressor, x, self.env, shared=shared, local=local, weights=weights,

@@ -36,12 +36,14 @@ for it before the bucket's reduction (the gradient is complete on the device).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["BackwardBuckets", "backward_order_buckets"]
@@ -193,6 +195,43 @@ class BackwardBuckets:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The combiner's ``no_sync()``: accumulation micro-steps launch nothing."""
+        armed, self.armed = self.armed, False
+        try:
+            yield
+        finally:
+            self.armed = armed
+
+    def reduce_all(self) -> None:
+        """The step's reduction, on every rank: :meth:`finish` when the hooks are armed, else
+        every bucket in order on this thread (zeros for missing gradients), the same calls."""
+        if self.armed:
+            self.finish()
+            return
+        for bucket in self.buckets:
+            for i in bucket:
+                p = self.params[i]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        for b, bucket in enumerate(self.buckets):
+            with torch.no_grad():
+                self.reduce(b, [self.params[i].grad for i in bucket])  # type: ignore[misc]
+
+    def end_step(self, overlap: bool) -> None:
+        """After a step's reduction, on every rank (a collective the first time): after the
+        first step, rank 0's recorded order becomes everybody's layout and the hooks are
+        armed when ``overlap``."""
+        if not self.recording:
+            return
+        device = self.params[0].device if self.params else torch.device("cpu")
+        order = torch.tensor(self.observed_order(), dtype=torch.int64, device=device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(order, 0)
+        self.rebuild(order.tolist())
+        self.armed = overlap
 
     def close(self) -> None:
         """Stop the worker thread (the next launch starts another)."""

@@ -146,15 +146,8 @@ class AdasumCombiner(GradCombiner):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulation micro-steps: the overlap hooks launch nothing."""
-        overlap = self._overlap
-        armed = overlap is not None and overlap.armed
-        if overlap is not None:
-            overlap.armed = False
-        try:
+        with self._overlap.paused() if self._overlap is not None else contextlib.nullcontext():
             yield
-        finally:
-            if overlap is not None:
-                overlap.armed = armed
 
     def _sync_buffers(self) -> None:
         """Rank 0's buffers (BatchNorm statistics) everywhere, as DDP does before a forward."""
@@ -180,14 +173,7 @@ class AdasumCombiner(GradCombiner):
             if p.grad is not None and p.grad.is_sparse:
                 raise TypeError("Adasum does not support sparse gradients")
         self._scaler = scaler
-        if buckets.armed:
-            buckets.finish()  # the buckets the backward did not launch, then wait for all
-        else:
-            for p in params:  # a parameter without a gradient here counts as zero
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            for b, bucket in enumerate(buckets.buckets):
-                self._reduce_bucket(b, [params[i].grad for i in bucket])  # type: ignore[misc]
+        buckets.reduce_all()  # the overlapped buckets, or all of them now
         # after the reduction (the overlap worker may have started before every rank knew):
         # a parameter without a gradient on any rank keeps grad=None (its zeros stayed zero)
         has = has.to(self.env.device)
@@ -195,11 +181,7 @@ class AdasumCombiner(GradCombiner):
         for p, anywhere in zip(params, has.tolist(), strict=True):
             if not anywhere:
                 p.grad = None
-        if buckets.recording:  # after the first step: rank 0's backward order for everyone
-            order = torch.tensor(buckets.observed_order(), device=self.env.device)
-            dist.broadcast(order, 0)
-            buckets.rebuild(order.tolist())
-            buckets.armed = self.options.overlap  # from the second step on
+        buckets.end_step(self.options.overlap)  # after the first step: rank 0's order
 
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
         if not self._distributed():
