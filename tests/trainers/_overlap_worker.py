@@ -81,7 +81,9 @@ class RecordingEF(ErrorFeedbackCombiner):
         self.early.append(self._buckets.last_launched_early if self._buckets else 0)
 
 
-def run(env: DistEnv, overlap: bool, combiner=None) -> tuple[list[torch.Tensor], list[int], list]:
+def run(
+    env: DistEnv, overlap: bool, combiner=None, *, steps: int = STEPS, save=None, resume=None
+) -> tuple[list[torch.Tensor], list[int], list]:
     model = Net(env.rank)
     if combiner is None:
         combiner = Recording(mode="gradient", overlap=overlap, bucket_cap_mb=0.02)
@@ -92,12 +94,16 @@ def run(env: DistEnv, overlap: bool, combiner=None) -> tuple[list[torch.Tensor],
 
     trainer = Trainer(
         model, torch.optim.SGD(model.parameters(), lr=lr_fn(0), momentum=0.9, weight_decay=1e-4),
-        TrainerConfig(epochs=1, max_steps=STEPS, batch_size=BATCH, grad_accum_steps=ACCUM,
+        TrainerConfig(epochs=1, max_steps=steps, batch_size=BATCH, grad_accum_steps=ACCUM,
                       seed=1, log_interval=1, progress=False),
         env=env, logger=RunLogger(None, enabled=False), lr_schedule=lr_fn, train_step=step,
         combiner=combiner,
     )  # fmt: skip
+    if resume is not None:
+        trainer.resume(resume)
     trainer.fit(ToyDataset(STEPS * BATCH * ACCUM * env.world_size))
+    if save is not None:
+        trainer.save_checkpoint(save)
     layout = getattr(combiner, "_overlap", None) or combiner._buckets
     if layout is None:  # the whole-vector path
         return [p.detach().clone() for p in model.parameters()], [], []
@@ -117,6 +123,13 @@ def ef(env: DistEnv, out: Path) -> None:
         combiner = RecordingEF(seed=1, **kwargs)
         params, early, buckets = run(env, overlap=True, combiner=combiner)
         runs[name] = {"params": params, "early": early, "buckets": buckets, "log": combiner.log}
+    # 3 steps, a checkpoint, and 3 more in a new process group member: the layout comes back
+    # (rank 0's recorded order is not the first guess here: the side branch comes last)
+    kwargs = dict(compressor="topk", ratio=0.1, bucket_mb=0.02, seed=1)
+    path = out / "ef_resume.pt"
+    run(env, True, RecordingEF(**kwargs), steps=STEPS // 2, save=path)
+    resumed, early, _ = run(env, True, RecordingEF(**kwargs), resume=path)
+    runs["resumed"] = {"params": resumed, "early": early}
     torch.save(runs, out / f"rank{env.rank}.pt")
 
 
@@ -127,9 +140,12 @@ def main(out: Path, mode: str = "adasum") -> None:
             return ef(env, out)
         overlapped, early, buckets = run(env, overlap=True)
         plain, plain_early, _ = run(env, overlap=False)
+        path = out / "adasum_resume.pt"
+        run(env, True, steps=STEPS // 2, save=path)
+        resumed, resumed_early, _ = run(env, True, resume=path)
         torch.save(
             {"overlap": overlapped, "plain": plain, "early": early, "plain_early": plain_early,
-             "buckets": buckets},
+             "buckets": buckets, "resumed": resumed, "resumed_early": resumed_early},
             out / f"rank{env.rank}.pt",
         )  # fmt: skip
 

@@ -138,6 +138,9 @@ def test_overlapped_adasum_equals_the_plain_path_bit_for_bit(adasum2):
             assert torch.equal(a, b)
         for a, b in zip(r["overlap"], adasum2[0]["overlap"], strict=True):
             assert torch.equal(a, b)
+        for a, b in zip(r["resumed"], r["overlap"], strict=True):  # the order is checkpointed
+            assert torch.equal(a, b)
+        assert min(r["resumed_early"]) >= 1  # so the hooks are armed from the first step
         # named_parameters order: `unused` first; no rank used it: SGD never touched it
         assert torch.equal(r["overlap"][0], torch.ones(5))
         # the first step records the order; from the second the hooks launch buckets
@@ -168,6 +171,14 @@ def test_overlapped_error_feedback_equals_the_plain_path_and_fp16_the_whole_vect
         for a, b in zip(r["fp16_buckets"]["params"], r["fp16_whole"]["params"], strict=True):
             assert torch.equal(a, b)
     assert ef2[0]["overlap"]["buckets"] == ef2[1]["overlap"]["buckets"]
+
+
+@pytest.mark.dist
+def test_bucketed_error_feedback_resumes_bit_for_bit_with_its_bucket_order(ef2):
+    for r in ef2:
+        for a, b in zip(r["resumed"]["params"], r["overlap"]["params"], strict=True):
+            assert torch.equal(a, b)
+        assert min(r["resumed"]["early"]) >= 1  # armed from the first step after resuming
 
 
 @pytest.mark.dist

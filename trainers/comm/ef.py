@@ -144,13 +144,24 @@ class ErrorFeedbackCombiner(CompressedCombiner):
             assert self.model is not None
             broadcast_(list(self.model.buffers()))
 
+    def _model_params(self) -> list[Tensor]:
+        assert self.model is not None
+        return [p for p in self.model.parameters() if p.requires_grad]
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self.residual is not None:
             state["residual"] = self.residual.clone()
+        if self._buckets is not None:  # the buckets' order: a resumed run cuts the same ones
+            order = self._buckets.layout_state(self._model_params())
+            if order is not None:
+                state["bucket_order"] = order
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         residual = state_dict.get("residual")
         self.residual = residual.clone() if residual is not None else None
+        order = state_dict.get("bucket_order")
+        if order is not None and self._buckets is not None:
+            self._buckets.load_layout(self._model_params(), order, self.options.overlap)

@@ -196,6 +196,29 @@ class BackwardBuckets:
         if error is not None:
             raise error
 
+    def layout_state(self, model_params: Sequence[Tensor]) -> list[int] | None:
+        """The adopted order as indices into ``model_params`` (for a checkpoint; ``None``
+        before the first step has fixed it)."""
+        if self.recording:
+            return None
+        index = {p: i for i, p in enumerate(model_params)}
+        return [index[p] for p in self.params]
+
+    def load_layout(
+        self, model_params: Sequence[Tensor], order: Sequence[int], overlap: bool
+    ) -> None:
+        """Adopt a checkpoint's :meth:`layout_state` (a resumed run cuts the buckets of the
+        run it continues) and arm the hooks when ``overlap``."""
+        position = {p: i for i, p in enumerate(self.params)}
+        try:
+            self.rebuild([position[model_params[i]] for i in order])
+        except (IndexError, KeyError, ValueError) as err:
+            raise ValueError(
+                f"the checkpoint's bucket order ({len(order)} entries) does not fit this "
+                f"model's {len(self.params)} trainable parameters: {err}"
+            ) from None
+        self.armed = overlap
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """The combiner's ``no_sync()``: accumulation micro-steps launch nothing."""

@@ -214,9 +214,17 @@ class AdasumCombiner(GradCombiner):
 
     def state_dict(self) -> dict[str, Any]:
         """Delta mode: this rank's optimizer moments and loss scale (rank 0's are the
-        checkpoint's own)."""
+        checkpoint's own). Gradient mode: the buckets' order (a resumed run cuts the same
+        buckets)."""
         env = self.env
-        if self.mode != "delta" or env is None or not env.distributed or env.is_main:
+        if env is None or not env.distributed:
+            return {}
+        if self.mode == "gradient":
+            assert self._overlap is not None and self.model is not None
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            order = self._overlap.layout_state(params)
+            return {} if order is None else {"bucket_order": order}
+        if self.mode != "delta" or env.is_main:
             return {}
         assert self.optimizer is not None
         state: dict[str, Any] = {"optimizer": self.optimizer.state_dict()["state"]}
@@ -225,8 +233,15 @@ class AdasumCombiner(GradCombiner):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The moments now; the loss scale at the next step (the scaler is passed there)."""
+        """The moments now; the loss scale at the next step (the scaler is passed there);
+        gradient mode's bucket order."""
         if not state_dict:
+            return
+        order = state_dict.get("bucket_order")
+        if order is not None:
+            if self._overlap is not None and self.model is not None:
+                params = [p for p in self.model.parameters() if p.requires_grad]
+                self._overlap.load_layout(params, order, self.options.overlap)
             return
         assert self.optimizer is not None
         restore_optimizer_state(self.optimizer, state_dict.get("optimizer"))
