@@ -1,5 +1,6 @@
-"""How much of the communication the backward hides: Adasum gradient mode with and without
-the overlap (``trainers.comm.overlap``), on gloo processes, a slow link made by injected delay.
+"""How much of the communication the backward hides: Adasum gradient mode (or, ``--mode ef``,
+bucketed top-k error feedback) with and without the overlap (``trainers.comm.overlap``), on
+gloo processes, a slow link made by injected delay.
 
 Every bucket reduction first sleeps what its messages would take on the link given by
 ``--gbps`` and ``--latency-ms`` (Adasum's tree sends a reduce-scatter and an allgather:
@@ -20,7 +21,7 @@ fraction of the reduction's time taken off the step, per round and its median; t
 ``benchmarks/_report.py``'s lines with ``ratio = T_p / T_o`` (the speed-up of the step).
 Both runs' gradients are checked equal bit for bit at every step.
 
-Usage: python benchmarks/bench_overlap.py [--world-size 2] [--rounds 7] [--gbps 1]
+Usage: python benchmarks/bench_overlap.py [--mode adasum|ef] [--world-size 2] [--rounds 7] [--gbps 1]
        [--latency-ms 0.5] [--json benchmarks/results/bench_overlap.json]
 """
 
@@ -46,20 +47,41 @@ import _report  # noqa: E402
 
 from trainers import DistEnv  # noqa: E402
 from trainers.comm.adasum import AdasumCombiner  # noqa: E402
+from trainers.comm.ef import ErrorFeedbackCombiner  # noqa: E402
+
+LINK = {"gbps": 1.0, "latency": 0.0005, "fraction": 1.0}  # set per process from the flags
 
 
-class SlowLink(AdasumCombiner):
+def _wait_for_link(grads) -> None:
+    n = dist.get_world_size()
+    nbytes = sum(g.numel() * g.element_size() for g in grads) * LINK["fraction"]
+    messages = 2 * math.ceil(math.log2(n))
+    time.sleep(messages * LINK["latency"] + 2 * (n - 1) / n * nbytes * 8 / (LINK["gbps"] * 1e9))
+
+
+class SlowAdasum(AdasumCombiner):
     """Adasum gradient mode whose every bucket first waits for the injected link."""
 
-    gbps = 10.0
-    latency = 0.0005
+    def _reduce_bucket(self, b, grads):
+        _wait_for_link(grads)
+        super()._reduce_bucket(b, grads)
+
+
+class SlowEF(ErrorFeedbackCombiner):
+    """Bucketed top-k error feedback whose every bucket first waits for the injected link."""
 
     def _reduce_bucket(self, b, grads):
-        n = dist.get_world_size()
-        nbytes = sum(g.numel() * g.element_size() for g in grads)
-        messages = 2 * math.ceil(math.log2(n))
-        time.sleep(messages * self.latency + 2 * (n - 1) / n * nbytes * 8 / (self.gbps * 1e9))
+        _wait_for_link(grads)
         super()._reduce_bucket(b, grads)
+
+
+def make_combiner(mode: str, overlap: bool, cap_mb: float, ratio: float):
+    if mode == "adasum":
+        return SlowAdasum(mode="gradient", overlap=overlap, bucket_cap_mb=cap_mb)
+    return SlowEF(compressor="topk", ratio=ratio, bucket_mb=cap_mb, overlap=overlap)
+
+
+NAMES = {"adasum": "Adasum gradient mode", "ef": "bucketed top-k error feedback"}
 
 
 def make_model(layers: int, width: int) -> nn.Module:
@@ -78,13 +100,15 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, local_world_size=world)
-    SlowLink.gbps, SlowLink.latency = args.gbps, args.latency_ms / 1000
+    # top-k sends (value, index) pairs: 8 bytes per kept value against 4 per dense value
+    LINK.update(gbps=args.gbps, latency=args.latency_ms / 1000,
+                fraction=1.0 if args.mode == "adasum" else 2 * args.ratio)  # fmt: skip
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, args.width, generator=g)
     runs = {}
     for name, overlap in (("plain", False), ("overlap", True)):
         model = make_model(args.layers, args.width)
-        combiner = SlowLink(mode="gradient", overlap=overlap, bucket_cap_mb=args.bucket_cap_mb)
+        combiner = make_combiner(args.mode, overlap, args.bucket_cap_mb, args.ratio)
         combiner.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), env)
         runs[name] = (model, combiner)
 
@@ -125,23 +149,24 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                   f"overlap {t_o * 1e3:.1f} ms  hidden {hidden[-1]:.2f}", flush=True)  # fmt: skip
     if rank == 0:
         _, combiner = runs["overlap"]
-        buckets = len(combiner._overlap.buckets)
+        buckets = len((getattr(combiner, "_overlap", None) or combiner._buckets).buckets)
         print(f"{world} gloo processes, {args.layers} layers of {args.width}, batch "
               f"{args.batch}, {buckets} buckets, link {args.gbps} Gbit/s + "
               f"{args.latency_ms} ms per message (injected)")  # fmt: skip
         print(f"hidden fraction: {_report.spread(hidden, '')}")
         _report.finish(
             args.json,
-            "bench_overlap",
+            "bench_overlap" if args.mode == "adasum" else f"bench_overlap_{args.mode}",
             overlapped,
             plain,
-            ours_label=f"Adasum gradient mode, overlapped with the backward ({world} gloo "
+            ours_label=f"{NAMES[args.mode]}, overlapped with the backward ({world} gloo "
             "processes, injected link delay)",
-            peer_label="the same reduction after the backward (--no-adasum-overlap)",
+            peer_label=f"the same reduction after the backward (--no-{args.mode}-overlap)",
             extra={
                 "hidden_fraction_median": statistics.median(hidden),
                 "hidden_fraction_rounds": hidden,
                 "compute_rounds": compute,
+                "mode": args.mode,
                 "world_size": world,
                 "gbps": args.gbps,
                 "latency_ms": args.latency_ms,
@@ -157,6 +182,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--mode", choices=("adasum", "ef"), default="adasum")
+    parser.add_argument("--ratio", type=float, default=0.01, help="ef: top-k fraction sent")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=1024)
