@@ -169,6 +169,7 @@ def test_the_flags_table_names_every_shared_flag():
     from trainers.cli import combiner_flags
 
     documented_elsewhere = set(combiner_flags()) | {"--grad-combine", "--help"}
+    documented_elsewhere |= {"--no-" + f[2:] for f in combiner_flags()}  # bool: --x / --no-x
     missing = sorted(
         f for f, n in shared.items() if n > 1 and f not in table and f not in documented_elsewhere
     )
