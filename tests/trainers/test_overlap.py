@@ -124,6 +124,19 @@ def test_finish_reduces_what_the_hooks_did_not_and_reraises_worker_errors():
         buckets.rebuild([0, 0, 1, 2])
 
 
+def test_a_second_backward_in_one_step_is_an_error_not_a_half_reduced_bucket():
+    net = _chain(2)
+    params = [p for p in net.parameters()][::-1]
+    buckets = BackwardBuckets(params, 32 * 33 * 4, lambda b, grads: None)
+    buckets.rebuild(range(4))
+    buckets.armed = True
+    loss = net(torch.randn(4, 32)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second gradient in one step"):
+        loss.backward()
+    buckets.remove()
+
+
 @pytest.fixture(scope="module")
 def adasum2(tmp_path_factory):
     out = tmp_path_factory.mktemp("overlap")

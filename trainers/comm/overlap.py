@@ -28,7 +28,10 @@ Rules that keep the ranks in step and the results those of the plain path:
 * **Same arithmetic.** A bucket's reduction is the same function of the same gradients as
   in the plain path when the plain path cuts the same buckets (the combiner's job), so
   results are identical bit for bit; only the time at which each bucket starts changes.
-* **Errors surface.** An exception in the worker is raised again by :meth:`finish`.
+* **Errors surface.** An exception in the worker is raised again by :meth:`finish`. A
+  parameter whose gradient arrives twice in one step's final backward (two ``backward``
+  calls in one micro-step) is an error, as in DDP: its bucket may already be out. Every
+  backward while the hooks are armed must belong to a training step.
 
 On CUDA each hook records an event on the current stream, and the worker's stream waits
 for it before the bucket's reduction (the gradient is complete on the device).
@@ -127,6 +130,7 @@ class BackwardBuckets:
 
     # ---- the step's bookkeeping ---------------------------------------------------------
     def _reset(self) -> None:
+        self._ready: set[int] = set()  # parameters whose gradient this step has accumulated
         self._waiting = [len(b) for b in self.buckets]
         self._launched = 0
         self._events = {}
@@ -140,6 +144,14 @@ class BackwardBuckets:
                 self.arrival.append(index)
             if not self.armed:
                 return
+            if index in self._ready:  # as DDP: a bucket must not go out half-accumulated
+                raise RuntimeError(
+                    f"a parameter of shape {tuple(param.shape)} got a second gradient in one "
+                    "step's final backward while its bucket may already be reduced; the "
+                    "overlapped reduction needs one backward per micro-step (use the "
+                    "combiner's --no-...-overlap flag, or sum the losses first)"
+                )
+            self._ready.add(index)
             b = self._bucket_of[index]
             if param.grad is not None and param.grad.is_cuda:
                 event = torch.cuda.Event()
