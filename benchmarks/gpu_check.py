@@ -4,7 +4,8 @@ Run it on a machine with one CUDA GPU (``python benchmarks/gpu_check.py``). In o
 part with its own time budget so that the whole stays under ``--budget`` seconds (480):
 
 1. **CUDA-only tests**: ``pytest -m gpu`` (LAMB and LANS against their references on CUDA,
-   GNN layer-wise inference on the GPU, SGP across two devices where there are two).
+   GNN layer-wise inference on the GPU, SGP across two devices where there are two, the
+   backward overlap's CUDA events).
 2. **Optimizers**: one step of our LAMB and LANS on ResNeSt-50's 263 parameter tensors
    (27.5 M, fp32) against ``torch.optim.AdamW(fused=True)``, min/median/max over rounds.
 3. **ResNeSt-50 training**: images/s of a training step (forward, loss, backward, SGD) at
@@ -76,7 +77,8 @@ def timed_rounds(fn: Callable[[], None], rounds: int, device: torch.device) -> l
 def run_gpu_tests(timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs",
            "tests/trainers/test_lamb.py", "tests/trainers/test_lans.py",
-           "tests/trainers/test_decentralized.py", "tests/modelzoo/test_graph_inference.py"]  # fmt: skip
+           "tests/trainers/test_decentralized.py", "tests/modelzoo/test_graph_inference.py",
+           "tests/trainers/test_overlap.py"]  # fmt: skip
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -137,6 +137,29 @@ def test_a_second_backward_in_one_step_is_an_error_not_a_half_reduced_bucket():
     buckets.remove()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+def test_cuda_buckets_wait_for_their_gradients_on_the_device():
+    """The CUDA path: each hook records an event that the worker's stream waits for."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)]).cuda()
+    params = [p for p in net.parameters()][::-1]
+    buckets = BackwardBuckets(params, 512 * 513 * 4, lambda b, grads: [g.mul_(2) for g in grads])
+    buckets.rebuild(range(len(params)))
+    x = torch.randn(256, 512, device="cuda")
+    net(x).square().sum().backward()
+    want = [2 * p.grad.clone() for p in params]
+    net.zero_grad(set_to_none=True)
+    buckets.armed = True
+    net(x).square().sum().backward()
+    buckets.finish()
+    torch.cuda.synchronize()
+    assert buckets.last_launched_early == 4
+    for p, w in zip(params, want, strict=True):
+        torch.testing.assert_close(p.grad, w, rtol=0, atol=0)
+    buckets.remove()
+
+
 @pytest.fixture(scope="module")
 def adasum2(tmp_path_factory):
     out = tmp_path_factory.mktemp("overlap")
