@@ -119,7 +119,7 @@ def persistent7(tmp_path_factory):
 
 
 def test_a_persistent_inner_straggler_skips_in_a_two_level_tree(persistent7):
-    # rank 1 (parent of 3 and 4) twice as slow at every step: it skips decided steps while
+    # rank 1 (parent of 3 and 4) three times as slow at every step: it skips decided steps while
     # still draining its children's messages, nobody else skips, and every rank ends with
     # the model of the run without it; rank 2 (an inner node too) starting late computes
     # its first step
