@@ -82,7 +82,9 @@ def summary(recipes: dict[str, list[dict[str, Any]]], reach: str | None) -> str:
         ]
         for name, seeds in recipes.items():
             steps = [first_step_reaching(s, target) for s in seeds]
-            shown = ", ".join("-" if s is None else str(s) for s in steps)
+            shown = ", ".join(
+                "-" if s is None else f"{s} ({s * seeds[0]['batch']:,} samples)" for s in steps
+            )
             lines.append(f"| `{name}` | {shown} |")
     return "\n".join(lines)
 
@@ -99,7 +101,8 @@ def plot(recipes: dict[str, list[dict[str, Any]]], output: Path) -> None:
             samples = [step * seeds[0]["batch"] for step in seeds[0]["steps"]]
             columns = list(zip(*(s[metric] for s in seeds), strict=True))  # (evals, seeds)
             mean = [statistics.mean(c) for c in columns]
-            (line,) = ax.plot(samples, mean, label=f"{name} ({len(seeds)} seeds)")
+            label = f"{name.removeprefix('bert_pretrain_')} ({len(seeds)} seeds)"
+            (line,) = ax.plot(samples, mean, label=label)
             ax.fill_between(
                 samples, [min(c) for c in columns], [max(c) for c in columns],
                 color=line.get_color(), alpha=0.2, linewidth=0,
