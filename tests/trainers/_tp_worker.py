@@ -95,36 +95,41 @@ def qa_step(model, batch):
     return loss, {"loss": loss.detach() * len(ids), "count": len(ids)}
 
 
-def qa_trainer(env, tp_mesh, steps: int, batch: int) -> Trainer:
+def qa_trainer(env, tp_mesh, steps: int, batch: int, optimizer: str = "lamb") -> Trainer:
     torch.manual_seed(0)
     model = BertForQuestionAnswering(CONFIG).double()
     if tp_mesh is not None:
         parallelize_bert(model, tp_mesh)
     # LAMB: LANS normalises each gradient, which turns the span bias's gradient (0 up to
-    # rounding: a shift of all logits) into a unit vector of rounding noise.
-    optimizer = Lamb(model.parameters(), lr=0.02, weight_decay=0.01)
+    # rounding: a shift of all logits) into a unit vector of rounding noise. AdamW (torch's,
+    # finetune_squad's default) keeps its state as DTensors, LAMB on the local shards.
+    if optimizer == "lamb":
+        opt: torch.optim.Optimizer = Lamb(model.parameters(), lr=0.02, weight_decay=0.01)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
     config = TrainerConfig(
         max_steps=steps, epochs=10, batch_size=batch, seed=3, log_interval=0, clip_grad_norm=0.5
     )
-    return Trainer(model, optimizer, config, env=env, train_step=qa_step)
+    return Trainer(model, opt, config, env=env, train_step=qa_step)
 
 
-def trainer_checks(res: dict, rank: int, world: int, out: Path) -> None:
-    """Through the shared Trainer: a dp x tp run (LAMB, the trainer's gradient clip) against
-    one process on the global batch; its checkpoint in the unsplit format; resume."""
+def trainer_checks(res: dict, rank: int, world: int, out: Path, optimizer: str = "lamb") -> None:
+    """Through the shared Trainer: a dp x tp run (``optimizer``, the trainer's gradient
+    clip) against one process on the global batch; its checkpoint in the unsplit format;
+    resume."""
     tp = 2
     dp = world // tp
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     env = DistEnv.from_env().data_parallel(mesh["dp"])
     one = DistEnv(rank=0, world_size=1)  # every rank runs the oracle on its own
     data = QAData()
-    ref = qa_trainer(one, None, 2, 2 * dp)
+    ref = qa_trainer(one, None, 2, 2 * dp, optimizer)
     ref.fit(data)
     ref_state = ref.state_dict()
     # 2 steps, checkpoint, then 2 more from the checkpoint against 4 straight.
-    first = qa_trainer(env, mesh["tp"], 2, 2)
+    first = qa_trainer(env, mesh["tp"], 2, 2, optimizer)
     first.fit(data)
-    path = out / "tp_mid.pt"
+    path = out / f"tp_mid_{optimizer}.pt"
     first.save_checkpoint(path)
     state = torch.load(path, weights_only=False)
     res[f"trainer_dp{dp}_model_err"] = max(
@@ -140,6 +145,9 @@ def trainer_checks(res: dict, rank: int, world: int, out: Path) -> None:
         for k in ref_opt[i]
         if torch.is_tensor(ref_opt[i][k]) and ref_opt[i][k].dim() > 0
     )
+    res[f"trainer_dp{dp}_opt_plain"] = not any(
+        isinstance(v, DTensor) for entry in opt.values() for v in entry.values()
+    )
     res[f"trainer_dp{dp}_opt_shapes"] = all(
         opt[i][k].shape == ref_opt[i][k].shape
         for i in ref_opt
@@ -148,14 +156,14 @@ def trainer_checks(res: dict, rank: int, world: int, out: Path) -> None:
     )
     plain = BertForQuestionAnswering(CONFIG).double()
     plain.load_state_dict(state["model"])  # strict: the single-process format
-    resumed = qa_trainer(env, mesh["tp"], 4, 2)
+    resumed = qa_trainer(env, mesh["tp"], 4, 2, optimizer)
     resumed.resume(path)
     resumed.fit(data)
-    straight = qa_trainer(env, mesh["tp"], 4, 2)
+    straight = qa_trainer(env, mesh["tp"], 4, 2, optimizer)
     straight.fit(data)
     a, b = resumed.model.state_dict(), straight.model.state_dict()
     res[f"trainer_dp{dp}_resume_err"] = max((a[k] - b[k]).abs().max().item() for k in a)
-    ref4 = qa_trainer(one, None, 4, 2 * dp)
+    ref4 = qa_trainer(one, None, 4, 2 * dp, optimizer)
     ref4.fit(data)
     c = ref4.model.state_dict()
     res[f"trainer_dp{dp}_final_err"] = max((b[k] - c[k]).abs().max().item() for k in c)
@@ -274,6 +282,10 @@ def main(out: Path) -> None:
             )
         dist.barrier()
     trainer_checks(res, rank, world, out)
+    if world == 2:  # torch's AdamW: DTensor state, gathered and re-laid out on resume
+        adamw: dict[str, object] = {}
+        trainer_checks(adamw, rank, world, out, "adamw")
+        res.update({f"adamw_{k}": v for k, v in adamw.items()})
     # Span QA (the fine-tuning model) splits the same way.
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)

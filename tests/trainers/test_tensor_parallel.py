@@ -112,17 +112,24 @@ def test_qkv_permutation_groups_each_ranks_heads():
 
 def test_trainer_dp_by_tp_equals_one_process_and_resumes_bit_for_bit(measured):
     """The shared Trainer with a tensor-parallel model and the data-parallel view of the
-    world (2 ranks: 1 x 2; 4 ranks: 2 x 2), LAMB and the trainer's gradient clip, against one
-    process on the global batch; its checkpoint is the single-process format (model and
+    world (2 ranks: 1 x 2; 4 ranks: 2 x 2), LAMB (and on 2 ranks torch's AdamW) and the
+    trainer's gradient clip, against one process on the global batch; its checkpoint is the single-process format (model and
     optimizer state) and resuming from it continues bit for bit."""
     world, res, _ = measured
     dp = world // 2
-    key = f"trainer_dp{dp}"
+    check_trainer(res, f"trainer_dp{dp}")
+    if world == 2:  # torch's AdamW, whose state for a DTensor parameter is a DTensor
+        # Adam divides by sqrt(v): where a gradient is near zero (the span bias's), the
+        # rounding of the split sums is amplified; measured 1.6e-11 after 4 steps.
+        check_trainer(res, "adamw_trainer_dp1", final_tol=1e-10)
+
+
+def check_trainer(res, key, final_tol=1e-12):
     assert res[f"{key}_moved"] > 1e-2
-    assert res[f"{key}_model_plain"] and res[f"{key}_opt_shapes"]
+    assert res[f"{key}_model_plain"] and res[f"{key}_opt_plain"] and res[f"{key}_opt_shapes"]
     assert res[f"{key}_model_err"] < 1e-12
     assert res[f"{key}_opt_err"] < 1e-12
-    assert res[f"{key}_final_err"] < 1e-12
+    assert res[f"{key}_final_err"] < final_tol
     assert res[f"{key}_resume_err"] == 0.0
 
 

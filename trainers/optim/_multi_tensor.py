@@ -233,6 +233,10 @@ class LayerwiseAdaptiveOptimizer(torch.optim.Optimizer):
     where :meth:`_clips_per_group` says so, and ``clip_eps`` is :meth:`_clip_eps`.
     """
 
+    # The state of a DTensor parameter is kept for its local shard, as plain tensors (read by
+    # trainers.parallel.tensor.shard_optimizer_state_ on resume).
+    state_on_local_shards = True
+
     # ---- state ------------------------------------------------------------------------------
     def _buckets(self, group: dict[str, Any]) -> list[Bucket]:
         buckets: dict[tuple[torch.device, torch.dtype, int, Any], Bucket] = {}

@@ -317,27 +317,35 @@ def _row_orders(model: nn.Module) -> dict[int, torch.Tensor]:
 def gather_optimizer_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
 ) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with every sharded state tensor (moments, master copies)
-    gathered whole and the qkv rows put back in ``[q; k; v]`` order: the state dict of the
-    unsplit model's optimizer. A collective over each tp group; ``state_dict`` is not
-    modified (it holds the live state), a new one is returned."""
+    """``optimizer.state_dict()`` with every state tensor of a DTensor parameter (moments,
+    master copies) whole and plain, and the qkv rows put back in ``[q; k; v]`` order: the
+    state dict of the unsplit model's optimizer. Two kinds of state are gathered: the
+    layer-wise optimizers' (LAMB, LANS), plain tensors of the local shard's shape, and
+    torch's optimizers' (AdamW, SGD), DTensors laid out like their parameter. A collective
+    over each tp group; ``state_dict`` is not modified (it holds the live state), a new one is
+    returned."""
     state = dict(state_dict["state"])
     orders = _row_orders(model)
     for index, param in enumerate(_optimizer_params(optimizer)):
-        info = _shard_group(param)
-        if info is None or index not in state:
+        if not isinstance(param, DTensor) or index not in state:
             continue
-        dim, group, _, parts = info
+        info = _shard_group(param)
         local_shape = param.to_local().shape
         entry = dict(state[index])
         for key, value in entry.items():
-            if not torch.is_tensor(value) or value.shape != local_shape or value.dim() == 0:
+            if isinstance(value, DTensor):
+                whole = value.full_tensor().detach()  # no communication when replicated
+            elif info is None or not torch.is_tensor(value) or value.dim() == 0:
                 continue
-            pieces = [torch.empty_like(value) for _ in range(parts)]
-            dist.all_gather(pieces, value.contiguous(), group=group)
-            whole = torch.cat(pieces, dim=dim)
+            elif value.shape != local_shape:
+                continue
+            else:
+                dim, group, _, parts = info
+                pieces = [torch.empty_like(value) for _ in range(parts)]
+                dist.all_gather(pieces, value.contiguous(), group=group)
+                whole = torch.cat(pieces, dim=dim)
             rows = orders.get(id(param))
-            if rows is not None:
+            if rows is not None and whole.shape == param.shape:
                 whole = whole[torch.argsort(rows)]
             entry[key] = whole
         state[index] = entry
@@ -345,20 +353,32 @@ def gather_optimizer_state(
 
 
 def shard_optimizer_state_(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """After ``optimizer.load_state_dict(unsplit)``: keep each rank's shard of every state
-    tensor that has its sharded parameter's whole shape (the inverse of
-    :func:`gather_optimizer_state`; no communication)."""
+    """After ``optimizer.load_state_dict(unsplit)``: lay every state tensor that has its
+    DTensor parameter's whole shape out like the parameter (the inverse of
+    :func:`gather_optimizer_state`; no communication): each rank's shard as a plain tensor
+    for the layer-wise optimizers (``state_on_local_shards``), a DTensor with the
+    parameter's placements for torch's optimizers."""
     orders = _row_orders(model)
+    local_state = getattr(optimizer, "state_on_local_shards", False)
     for param in _optimizer_params(optimizer):
-        info = _shard_group(param)
-        if info is None or param not in optimizer.state:
+        if not isinstance(param, DTensor) or param not in optimizer.state:
             continue
-        dim, _, index, parts = info
+        info = _shard_group(param)
         entry = optimizer.state[param]
         for key, value in list(entry.items()):
-            if not torch.is_tensor(value) or value.shape != param.shape or value.dim() == 0:
+            if isinstance(value, DTensor) or not torch.is_tensor(value) or value.dim() == 0:
+                continue
+            if value.shape != param.shape:
                 continue
             rows = orders.get(id(param))
             if rows is not None:
                 value = value[rows]
-            entry[key] = value.chunk(parts, dim=dim)[index].contiguous()
+            if info is not None:
+                dim, _, index, parts = info
+                value = value.chunk(parts, dim=dim)[index]
+            value = value.contiguous()
+            if not local_state:
+                value = DTensor.from_local(
+                    value, param.device_mesh, param.placements, run_check=False
+                )
+            entry[key] = value
