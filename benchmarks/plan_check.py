@@ -11,13 +11,12 @@ For each world size (default 2 and 4 processes on 127.0.0.1, one thread each) an
    (4 processes on this machine's 2 cores: each gets about half a core) and the same
    background load; the element-wise median over the ranks is the profile;
 3. the planner picks the best micro-batches, schedule and boundaries for these degrees;
-4. if the runtime supports them (data parallel with one flat gradient all-reduce; tensor
-   parallel with ``parallelize_bert`` on a (dp, tp) mesh; pipeline parallel with
-   ``build_pipeline``, its dp replicas all-reducing each stage's gradients), an optimizer
-   step of the plan (forward, backward, gradient all-reduce, AdamW) is timed: ``--warmup``
-   rounds, then ``--rounds`` rounds, each the slowest rank's time after a barrier. Tensor
-   and pipeline parallelism together are not in the runtime yet: such plans are printed
-   with their prediction only.
+4. an optimizer step of the plan (forward, backward, gradient all-reduce, AdamW) is timed
+   on the runtime (data parallel with one flat gradient all-reduce; tensor parallel with
+   ``parallelize_bert`` on a (dp, tp) mesh; pipeline parallel with ``build_pipeline``, its
+   dp replicas all-reducing each stage's gradients; both with ``build_pipeline(...,
+   tensor_mesh=)`` on a (dp, pp, tp) mesh): ``--warmup`` rounds, then ``--rounds`` rounds,
+   each the slowest rank's time after a barrier.
 
 Prints one line per plan, predicted vs measured (min / median / max) and the relative error
 of the prediction against the median (and against the fastest round), then ``max_rel_error=<...>`` last.
@@ -59,7 +58,7 @@ from trainers.parallel.plan import (  # noqa: E402
     profile_model,
 )
 
-CONFIGS = {  # (tp, pp, dp) per world size; None: the runtime cannot run it yet
+CONFIGS = {  # (tp, pp, dp) per world size
     2: [(1, 1, 2), (2, 1, 1), (1, 2, 1)],
     4: [(1, 1, 4), (2, 1, 2), (4, 1, 1), (1, 2, 2), (1, 4, 1), (2, 2, 1)],
 }
@@ -186,16 +185,20 @@ def build_step(p: Plan, args: argparse.Namespace, rank: int):
             optimizer.zero_grad(set_to_none=True)
 
         return step
-    # pipelines: ranks d * pp .. d * pp + pp - 1; each stage's dp replicas: s, s + pp, ...
-    pipe_groups = [dist.new_group([d * pp + s for s in range(pp)]) for d in range(dp)]
+    # Megatron's rank order: rank = replica * (pp * tp) + stage * tp + tp index
+    tp_mesh = None
+    if tp == 1:
+        mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+    else:
+        mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+        tp_mesh = mesh["tp"]
     if dp > 1:
-        dp_groups = [dist.new_group([d * pp + s for d in range(dp)]) for s in range(pp)]
-        dp_group = dp_groups[stage]
+        dp_group = mesh["dp"].get_group()
     example = tuple(x[:size] for x in inputs)
     pipe = build_pipeline(
         model, rank=stage, num_stages=pp, micro_batches=micro, loss_fn=span_loss,
         example_inputs=example, schedule=p.schedule, boundaries=list(p.boundaries),
-        group=pipe_groups[replica],
+        group=mesh["pp"].get_group(), tensor_mesh=tp_mesh,
     )  # fmt: skip
     params = [q for q in pipe.module.parameters() if q.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
@@ -203,7 +206,7 @@ def build_step(p: Plan, args: argparse.Namespace, rank: int):
     def step() -> None:
         pipe.step(inputs if pipe.is_first else (), spans if pipe.is_last else None)
         if dp > 1:
-            _flat_allreduce_([q.grad for q in params], dp_group, dp)
+            _flat_allreduce_([_local(q.grad) for q in params], dp_group, dp)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -248,9 +251,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
         row: dict[str, Any] = {"world": world, "network": str(network), "gbps": gbps,
                                "latency_s": latency, "plan": best.to_dict(),
                                "profile": profile.to_dict()}  # fmt: skip
-        if best.runtime_supported():
-            step = build_step(best, args, rank)
-            row["measured_s"] = time_rounds(step, args.rounds, args.warmup)
+        step = build_step(best, args, rank)
+        row["measured_s"] = time_rounds(step, args.rounds, args.warmup)
         rows.append(row)
     if rank == 0:
         out[world] = rows
@@ -304,9 +306,6 @@ def main() -> int:
                 f"{q['micro_batches']:>3} {q['schedule']:>6} {str(q['boundaries']):>15} "
                 f"{row['gbps']:>6.2f}/{row['latency_s'] * 1e6:<6.0f} {q['predicted_step_s']:>9.3f}"
             )
-            if "measured_s" not in row:
-                print(f"{head}  (tp x pp: not in the runtime yet, not measured)")
-                continue
             times = row["measured_s"]
             med = statistics.median(times)
             rel = (q["predicted_step_s"] - med) / med

@@ -707,7 +707,7 @@ def unsplit_for_saving(model: nn.Module) -> nn.Module:
 
     if is_pipeline_parallel(model):
         model.synchronize()  # type: ignore[operator]
-        return model.full_model  # type: ignore[return-value]
+        model = model.full_model  # type: ignore[assignment]  (tensor-parallel inside: unsplit)
     if not is_tensor_parallel(model):
         return model
     from .parallel.tensor import unsplit_model
@@ -902,7 +902,9 @@ def apply_model_parallel(
 ) -> tuple[nn.Module, DistEnv]:
     """``--tensor-parallel`` (:func:`apply_tensor_parallel`) or ``--pipeline-parallel N``:
     ``model`` as a :class:`trainers.parallel.PipelinedModel` over a ``(dp, pp)`` mesh, and the
-    data-parallel view of ``env``. ``inputs_of(batch)``: the model's positional inputs;
+    data-parallel view of ``env``. Both (``--tensor-parallel T --pipeline-parallel N``): a
+    ``(dp, pp, tp)`` mesh in Megatron's rank order, each stage's layers split over ``T``
+    ranks. ``inputs_of(batch)``: the model's positional inputs;
     ``batch_size``: the per-rank batch to split into micro-batches (default
     ``--batch-size``). With ``--plan`` (already applied by :func:`apply_plan`), ``model`` must
     have as many blocks as the planned one."""
@@ -912,12 +914,9 @@ def apply_model_parallel(
     pp = _degree(args, "pipeline_parallel")
     if pp == 1:
         return apply_tensor_parallel(args, env, model)
-    if _degree(args, "tensor_parallel") > 1:
-        raise SystemExit(
-            "--tensor-parallel and --pipeline-parallel do not combine yet: choose one "
-            "(the planner's plans with both cannot run here)"
-        )
-    _model_parallel_checks(args, env, "--pipeline-parallel", pp)
+    tp = _degree(args, "tensor_parallel")
+    flag = "--pipeline-parallel" if tp == 1 else "--tensor-parallel x --pipeline-parallel"
+    _model_parallel_checks(args, env, flag, pp * tp)
     micro = args.micro_batches if args.micro_batches is not None else pp
     if micro < 1:
         raise SystemExit(f"--micro-batches must be >= 1, got {micro}")
@@ -932,17 +931,25 @@ def apply_model_parallel(
 
     from .parallel.pipeline import PipelinedModel
 
-    mesh = init_device_mesh(
-        env.device.type, (env.world_size // pp, pp), mesh_dim_names=("dp", "pp")
-    )
+    # Megatron-LM's rank order, tensor parallel innermost (the planner's):
+    # rank = replica * (pp * tp) + stage * tp + tp_index.
+    if tp == 1:
+        mesh = init_device_mesh(
+            env.device.type, (env.world_size // pp, pp), mesh_dim_names=("dp", "pp")
+        )
+    else:
+        mesh = init_device_mesh(
+            env.device.type, (env.world_size // (pp * tp), pp, tp),
+            mesh_dim_names=("dp", "pp", "tp"),
+        )  # fmt: skip
     try:
         pipelined = PipelinedModel(
             model, group=mesh["pp"].get_group(), micro_batches=micro, inputs_of=inputs_of,
             schedule=args.pipeline_schedule or "1f1b", boundaries=args.pipeline_boundaries,
-            device=env.device,
+            device=env.device, tensor_mesh=mesh["tp"] if tp > 1 else None,
         )  # fmt: skip
     except (TypeError, ValueError) as err:
-        raise SystemExit(f"--pipeline-parallel {pp}: {err}") from None
+        raise SystemExit(f"{flag} {pp if tp == 1 else f'{tp} x {pp}'}: {err}") from None
     return pipelined, env.data_parallel(mesh["dp"])
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
 
 from modelzoo.nlp.bert import BertForQuestionAnswering, BertForSequenceClassification
 from tests.trainers._tp_worker import CONFIG as TP_CONFIG
@@ -115,16 +116,16 @@ def run(case, schedule: str, rank: int, world: int, boundaries=None) -> dict:
     }
 
 
-def qa_trainer(env, pp_group, steps: int, batch: int) -> Trainer:
+def qa_trainer(env, pp_group, steps: int, batch: int, tp_mesh=None) -> Trainer:
     """The tensor-parallel checks' QA trainer (LAMB, gradient clip 0.5, float64, 2
     accumulation steps), with the model pipelined over ``pp_group`` (2 micro-batches, 1F1B)
-    when given."""
+    when given, and its layers split over ``tp_mesh`` too when given."""
     torch.manual_seed(0)
     model = BertForQuestionAnswering(dataclasses.replace(BERT, num_layers=3)).double()
     if pp_group is not None:
         model = PipelinedModel(
             model, group=pp_group, micro_batches=2, boundaries=[0, 3, 5],
-            inputs_of=lambda b: (b[0], b[1], torch.ones_like(b[0])),
+            inputs_of=lambda b: (b[0], b[1], torch.ones_like(b[0])), tensor_mesh=tp_mesh,
         )  # fmt: skip
     optimizer = Lamb(model.parameters(), lr=0.02, weight_decay=0.01)
     config = TrainerConfig(
@@ -148,14 +149,20 @@ def qa_eval(model, batch):
     return pp_step(model, batch)[1]
 
 
-def trainer_checks(res: dict, world: int, out: Path) -> None:
-    """Through the shared Trainer: dp x pp (2 stages) against one process on the global
-    batch; the checkpoint's model in the unsplit format and its optimizer state per stage;
-    evaluation of the whole model; resume bit for bit."""
+def trainer_checks(res: dict, world: int, out: Path, tp: int = 1) -> None:
+    """Through the shared Trainer: dp x pp (2 stages; x tp with ``tp`` > 1, Megatron's rank
+    order) against one process on the global batch; the checkpoint's model in the unsplit
+    format and its optimizer state per stage; evaluation of the whole model; resume bit for
+    bit."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dp = world // 2
-    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "pp"))
+    dp = world // (2 * tp)
+    if tp == 1:
+        mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "pp"))
+        tp_mesh = None
+    else:
+        mesh = init_device_mesh("cpu", (dp, 2, tp), mesh_dim_names=("dp", "pp", "tp"))
+        tp_mesh = mesh["tp"]
     env = DistEnv.from_env().data_parallel(mesh["dp"])
     one = DistEnv(rank=0, world_size=1)  # every rank runs the oracle on its own
     data = QAData()
@@ -163,10 +170,14 @@ def trainer_checks(res: dict, world: int, out: Path) -> None:
     ref = qa_trainer(one, None, 2, 2 * dp)
     ref.fit(data)
     ref_state = ref.state_dict()
-    first = qa_trainer(env, group, 2, 2)
+    first = qa_trainer(env, group, 2, 2, tp_mesh)
     first.fit(data)
     res["trainer_eval"] = (first.evaluate(data), ref.evaluate(data))
-    path = out / f"pp_mid_{world}.pt"
+    res["trainer_sharded"] = sum(
+        isinstance(p, DTensor) and any(isinstance(q, Shard) for q in p.placements)
+        for p in first.model.parameters()
+    )
+    path = out / f"pp_mid_{world}_{tp}.pt"
     first.save_checkpoint(path)
     state = torch.load(path, weights_only=False)
     res["trainer_model_err"] = max(
@@ -189,10 +200,10 @@ def trainer_checks(res: dict, world: int, out: Path) -> None:
                      if torch.is_tensor(theirs[k]) and theirs[k].dim() > 0]  # fmt: skip
     res["trainer_opt_err"] = max(errs)
     res["trainer_opt_count"] = len(errs)
-    resumed = qa_trainer(env, group, 4, 2)
+    resumed = qa_trainer(env, group, 4, 2, tp_mesh)
     resumed.resume(path)
     resumed.fit(data)
-    straight = qa_trainer(env, group, 4, 2)
+    straight = qa_trainer(env, group, 4, 2, tp_mesh)
     straight.fit(data)
     a, b = resumed.model.state_dict(), straight.model.state_dict()
     res["trainer_resume_err"] = max((a[k] - b[k]).abs().max().item() for k in a)
@@ -203,10 +214,20 @@ def trainer_checks(res: dict, world: int, out: Path) -> None:
     res["trainer_moved"] = max((c[k] - ref_state["model"][k]).abs().max().item() for k in c)
 
 
-def main(out: Path) -> None:
+def main(out: Path, tp: int) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    results = {}
+    results: dict = {}
+    if tp > 1:  # the Trainer over a (dp, pp, tp) mesh only
+        trainer: dict = {}
+        trainer_checks(trainer, world, out, tp)
+        results["trainer"] = trainer
+        gathered = [None] * world
+        dist.all_gather_object(gathered, results)
+        if rank == 0:
+            torch.save(gathered, out / "result.pt")
+        dist.destroy_process_group()
+        return
     plan = [("qa", "gpipe"), ("qa", "1f1b")]
     if world == 2:  # (the suite's time: the 4-stage run checks span QA only)
         plan += [("cls", "1f1b"), ("resnest", "gpipe"), ("resnest", "1f1b")]
@@ -231,4 +252,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 1)

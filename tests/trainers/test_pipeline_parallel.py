@@ -26,6 +26,14 @@ def measured(request, tmp_path_factory):
     return world, torch.load(out / "result.pt", weights_only=False)
 
 
+@pytest.fixture(scope="module")
+def measured_tp(tmp_path_factory):
+    """4 ranks as 2 stages x 2-way tensor parallelism (1 replica)."""
+    out = tmp_path_factory.mktemp("pp2tp2")
+    run_ranks("tests.trainers._pp_worker", [str(out), "2"], world=4, timeout=400)
+    return torch.load(out / "result.pt", weights_only=False)
+
+
 def test_schedules_give_the_unsplit_gradients_losses_and_batchnorm_statistics(measured):
     world, ranks = measured
     cases = {key for res in ranks for key in res if key != "trainer"}
@@ -56,6 +64,19 @@ def test_trainer_dp_by_pp_equals_one_process_and_resumes_bit_for_bit(measured):
     the global batch: the same weights and optimizer state, an unsplit checkpoint, the same
     evaluation, and a resume that continues bit for bit."""
     world, ranks = measured
+    check_trainer(ranks)
+
+
+def test_trainer_pp_by_tp_equals_one_process_and_resumes_bit_for_bit(measured_tp):
+    """Tensor parallelism inside the pipeline's stages (4 ranks: 2 stages x tp 2, rank =
+    stage * 2 + tp index): the same checks against one process. Each rank holds sharded
+    layers (its stage's), the checkpoint is the unsplit format, model and optimizer state."""
+    for rank, res in enumerate(measured_tp):
+        assert res["trainer"]["trainer_sharded"] > 0, rank  # the layers are split
+    check_trainer(measured_tp)
+
+
+def check_trainer(ranks):
     for rank, res in enumerate(ranks):
         r = res["trainer"]
         assert r["trainer_moved"] > 1e-3  # training moved the weights ...

@@ -583,6 +583,14 @@ def test_scripts_plan_flag_sets_the_placement_and_refuses_another_run(tmp_path):
     apply_plan(args, world, model_name="tiny", batch_size=4, accumulate=2, seq_len=64)
     assert (args.tensor_parallel, args.pipeline_parallel, args.micro_batches,
             args.pipeline_boundaries) == (2, 1, None, None)  # fmt: skip
+    # both at once: stages of tensor-parallel ranks (one replica of 4)
+    both = _plan_file(tmp_path, "tppp.json", model="tiny", seq_len=64, devices=4,
+                      global_batch=8, tensor_parallel=2, pipeline_parallel=2, data_parallel=1,
+                      micro_batches=4, schedule="1f1b", boundaries=[0, 3, 5])  # fmt: skip
+    args = _args(plan=str(both))
+    apply_plan(args, world, model_name="tiny", batch_size=8, accumulate=1, seq_len=64)
+    assert (args.tensor_parallel, args.pipeline_parallel, args.micro_batches,
+            args.pipeline_schedule, args.pipeline_boundaries) == (2, 2, 4, "1f1b", [0, 3, 5])  # fmt: skip
     refused = {
         "processes": ({"world": types.SimpleNamespace(world_size=2, is_main=False)}, "4 devices"),
         "model": ({"model_name": "other"}, "'tiny'"),

@@ -317,6 +317,7 @@ def build_pipeline(
     boundaries: Sequence[int] | None = None,
     group: Any = None,
     device: torch.device | str = "cpu",
+    tensor_mesh: Any = None,
 ) -> Pipeline:
     """This rank's stage of ``model`` and its schedule.
 
@@ -337,6 +338,11 @@ def build_pipeline(
         boundaries: block index where each stage starts, plus the end (default: balanced by
             parameter count, :func:`balanced_boundaries`).
         group: the process group of the pipeline (default: the world).
+        tensor_mesh: a 1-D tensor-parallel mesh (``mesh["tp"]`` of a ``(dp, pp, tp)`` mesh):
+            the model's Transformer layers are also split over it
+            (:func:`~trainers.parallel.tensor.parallelize_bert`), so each stage runs on
+            ``tp`` ranks; ``group`` then holds the ranks of one tensor-parallel index, one
+            per stage.
     """
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -347,8 +353,9 @@ def build_pipeline(
     blocks = model_blocks(model)
     boundaries = check_boundaries(blocks, num_stages, boundaries)
     start, end = boundaries[rank], boundaries[rank + 1]
+    shapes = _meta_shapes(blocks, example_inputs)  # of the unsplit blocks: see _split_layers
+    _split_layers(model, tensor_mesh)
     module = PipelineStageModule(blocks, start, end)
-    shapes = _meta_shapes(blocks, example_inputs)
     stage = PipelineStage(
         module,
         rank,
@@ -362,6 +369,26 @@ def build_pipeline(
     return Pipeline(
         module, stage, cls(stage, n_microbatches=micro_batches, loss_fn=loss_fn), num_stages
     )
+
+
+def _split_layers(model: nn.Module, tensor_mesh: Any) -> None:
+    """Tensor parallelism inside the stages: ``parallelize_bert(model, tensor_mesh)``. The
+    stages' input and output shapes are taken from the unsplit blocks before this: a split
+    layer's inputs and outputs are the whole hidden states (replicated over the tp ranks),
+    so the shapes are the same, and the meta-device run never sees a DTensor."""
+    if tensor_mesh is None:
+        return
+    from .tensor import parallelize_bert
+
+    parallelize_bert(model, tensor_mesh)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself otherwise); call under ``no_grad`` to get
+    the shard's storage rather than an autograd view."""
+    from trainers._dtensor import is_dtensor
+
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 # ---- the Trainer's pipeline-parallel model ----------------------------------------------------
@@ -458,6 +485,17 @@ class PipelinedModel(nn.Module):
         schedule: ``"1f1b"`` or ``"gpipe"``.
         boundaries: the blocks' stage boundaries (default: balanced by parameter count).
         device: where the stage computes.
+        tensor_mesh: with tensor parallelism inside the stages, the 1-D tp mesh
+            (``mesh["tp"]`` of a ``(dp, pp, tp)`` mesh); ``group`` is then the ``pp`` group
+            of this rank's tensor-parallel index. ``model``'s Transformer layers are split
+            over it (:func:`~trainers.parallel.tensor.parallelize_bert`; BERTs only): the
+            stage's ``tp`` ranks run its schedule together, each on its shards.
+
+    With ``tensor_mesh``, everything that crosses stages stays per tensor-parallel index: the
+    activations a stage sends are the whole (replicated) hidden states, the clip norm adds the
+    sharded gradients' squares over the tp group before the stages', :meth:`synchronize`
+    broadcasts each rank's local shards to the same shard index of the other stages, and the
+    checkpoint's model and optimizer state are gathered into the unsplit format.
 
     The micro-batches' shapes may change from step to step (e.g. padding to the longest
     sequence of the batch): a stage and schedule are built per shape, the same on every rank,
@@ -476,6 +514,7 @@ class PipelinedModel(nn.Module):
         schedule: str = "1f1b",
         boundaries: Sequence[int] | None = None,
         device: torch.device | str = "cpu",
+        tensor_mesh: Any = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -498,11 +537,15 @@ class PipelinedModel(nn.Module):
         blocks = model_blocks(model)
         self.boundaries = check_boundaries(blocks, self.num_stages, boundaries)
         start, end = self.boundaries[self.stage_index], self.boundaries[self.stage_index + 1]
+        self.tensor_mesh = tensor_mesh
+        # The shapes' meta copies are of the unsplit blocks (see _split_layers).
+        meta = None if tensor_mesh is None else [_meta_copy(b) for b in blocks]
+        _split_layers(model, tensor_mesh)
         self.stage = PipelineStageModule(blocks, start, end)
         # Not submodules: parameters() and the optimizer see this stage only.
         self.__dict__["full_model"] = model
         self.__dict__["_blocks"] = blocks
-        self.__dict__["_meta_blocks"] = None
+        self.__dict__["_meta_blocks"] = meta
         self._wrap = _output_wrapper(model)
         self.__dict__["_tied"] = _tied_parameters(blocks, self.boundaries)
         self._pipes: dict[tuple[Any, ...], tuple[Any, Any]] = {}
@@ -610,16 +653,29 @@ class PipelinedModel(nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model: the norm of every stage's
         gradients together (one all-reduce over the group; a tied parameter counted once,
-        on the first stage that holds it)."""
+        on the first stage that holds it). With tensor parallelism, the squares of the
+        stage's sharded gradients are summed over the tp group first (one all-reduce), its
+        replicated ones counted once."""
         import torch.distributed as dist
+
+        from .tensor import _shard_group
 
         counted_elsewhere = {id(p) for p, holders in self._tied if holders[0] != self.stage_index}
         params = [p for p in self.stage.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
+        with torch.no_grad():
+            grads = [_local(p.grad) for p in params]
         square = torch.zeros((), dtype=torch.float64, device=self.device)
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         for p, g in zip(params, grads, strict=True):
-            if id(p) not in counted_elsewhere:
+            if id(p) in counted_elsewhere:
+                continue
+            if self.tensor_mesh is not None and _shard_group(p) is not None:
+                sharded += g.detach().double().pow(2).sum()
+            else:
                 square += g.detach().double().pow(2).sum()
+        if self.tensor_mesh is not None:
+            dist.all_reduce(sharded, group=self.tensor_mesh.get_group())
+            square += sharded
         if self.num_stages > 1:
             dist.all_reduce(square, group=self.group)
         total = square.sqrt()
@@ -638,7 +694,8 @@ class PipelinedModel(nn.Module):
 
         for s in range(self.num_stages):
             blocks = self._blocks[self.boundaries[s] : self.boundaries[s + 1]]
-            tensors = [t.data for b in blocks for t in (*b.parameters(), *b.buffers())]
+            with torch.no_grad():  # a DTensor's own shard: its rank's index on every stage
+                tensors = [_local(t).data for b in blocks for t in (*b.parameters(), *b.buffers())]
             broadcast_(tensors, src=self.global_ranks[s], group=self.group)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -670,7 +727,12 @@ class PipelinedModel(nn.Module):
         keeps, with the boundaries it belongs to."""
         import torch.distributed as dist
 
-        own = _to_cpu(optimizer.state_dict())
+        own_state = optimizer.state_dict()
+        if self.tensor_mesh is not None:  # the unsplit optimizer state (collective over tp)
+            from .tensor import gather_optimizer_state
+
+            own_state = gather_optimizer_state(self.full_model, optimizer, own_state)
+        own = _to_cpu(own_state)
         states: list[Any] = [None] * self.num_stages
         if self.num_stages > 1:
             dist.all_gather_object(states, own, group=self.group)
@@ -695,6 +757,10 @@ class PipelinedModel(nn.Module):
                 "with the same --pipeline-parallel and --pipeline-boundaries"
             )
         optimizer.load_state_dict(stages[self.stage_index])
+        if self.tensor_mesh is not None:  # each rank keeps its shards
+            from .tensor import shard_optimizer_state_
+
+            shard_optimizer_state_(self.full_model, optimizer)
 
 
 def _to_cpu(value: Any) -> Any:

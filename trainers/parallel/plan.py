@@ -118,8 +118,9 @@ instead (for the tests). Plans are ranked by ``T_step``, then memory.
 the profile's dtype (fp32 here; mixed precision roughly halves them). Compute does not
 overlap communication except as ``o`` says; all-reduces in one level do not contend for
 links; the pipeline's warm-up of the data loader, the loss and gradient clipping are not
-modelled; the runtime cannot combine tensor and pipeline parallelism yet (``--runtime-only``
-leaves such plans out). ``benchmarks/plan_check.py`` measures the error on this machine.
+modelled. ``--runtime-only`` leaves out what ``trainers.parallel`` cannot run: tensor
+parallelism of a model without splittable blocks (ResNeSt). ``benchmarks/plan_check.py``
+measures the error on this machine.
 """
 
 from __future__ import annotations
@@ -897,10 +898,6 @@ class Plan:
             "boundaries": list(self.boundaries),
         }
 
-    def runtime_supported(self) -> bool:
-        """Whether ``trainers.parallel`` runs this placement today (not tp and pp together)."""
-        return self.tensor_parallel == 1 or self.pipeline_parallel == 1
-
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"format": PLAN_FORMAT}
         for f in dataclasses.fields(self):
@@ -1045,8 +1042,6 @@ def _candidates(
             if pp > max_pp or pp > n:
                 continue
             if pipeline_parallel is not None and pp not in pipeline_parallel:
-                continue
-            if runtime_only and tp > 1 and pp > 1:
                 continue
             dp = devices // (tp * pp)
             if global_batch % dp:
@@ -1737,13 +1732,12 @@ def _table(plans: Sequence[Plan]) -> str:
     lines = [head]
     for rank, p in enumerate(plans, 1):
         b = p.breakdown
-        note = "" if p.runtime_supported() else "  (tp x pp: not in the runtime yet)"
         lines.append(
             f"{rank:>2} {p.tensor_parallel:>3} {p.pipeline_parallel:>3} {p.data_parallel:>4} "
             f"{p.micro_batches:>4} {b['micro_batch_size']:>4} {p.schedule:>8} "
             f"{p.predicted_step_s:>10.4g} {b['steady_s']:>9.3g} {b['bubble_s']:>9.3g} "
             f"{b['update_s']:>9.3g} {p.memory_per_device_bytes / 2**30:>8.2f}  "
-            f"{list(p.boundaries)}{note}"
+            f"{list(p.boundaries)}"
         )
     return "\n".join(lines)
 
@@ -1807,7 +1801,8 @@ def _parser() -> argparse.ArgumentParser:
                    "enough work per micro-batch, which a CPU profile does not show")  # fmt: skip
     p.add_argument("--schedules", default="gpipe,1f1b", help="candidate schedules")
     p.add_argument("--runtime-only", action="store_true",
-                   help="only placements trainers.parallel runs today (not tp and pp at once)")  # fmt: skip
+                   help="only placements trainers.parallel runs (no tensor parallelism for a "
+                   "model without splittable blocks, e.g. ResNeSt)")  # fmt: skip
     p.add_argument("--top", type=int, default=5, help="print the K best plans")
     p.add_argument("--json", default=None, help="write the best plan here (atomically)")
     return p
@@ -1903,12 +1898,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         save_plan(plans[0], args.json)
         print(f"\nwrote {args.json}")
-        if not plans[0].runtime_supported():
-            print(
-                "note: this plan combines tensor and pipeline parallelism, which the training "
-                "scripts' --plan does not run yet; --runtime-only writes the best plan they run",
-                file=sys.stderr,
-            )
     return 0
 
 

@@ -335,10 +335,8 @@ def gather_optimizer_state(
         for key, value in entry.items():
             if isinstance(value, DTensor):
                 whole = value.full_tensor().detach()  # no communication when replicated
-            elif info is None or not torch.is_tensor(value) or value.dim() == 0:
-                continue
-            elif value.shape != local_shape:
-                continue
+            elif info is None or not torch.is_tensor(value) or value.shape != local_shape:
+                continue  # also 0-d values (a step count): never a shard's shape
             else:
                 dim, group, _, parts = info
                 pieces = [torch.empty_like(value) for _ in range(parts)]
