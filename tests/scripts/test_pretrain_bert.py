@@ -297,7 +297,8 @@ def test_published_large_batch_runs_compare_with_adam_at_equal_samples(name, rat
 @pytest.mark.dist
 def test_model_parallel_pretraining_equals_one_process(work, tmp_path):
     """``--tensor-parallel 2`` and ``--pipeline-parallel 2`` (the masked-LM decoder on the
-    last stage tied to the embeddings on the first) on 2 processes: both phases (LANS,
+    last stage tied to the embeddings on the first) on 2 processes, and both at once on 4
+    (2 stages of 2 tensor-parallel ranks): both phases (LANS,
     accumulation, evaluation, the phase-1 model handed to phase 2) log the losses of one
     process, and the exported model is the unsplit one with the same weights. A pipeline's
     micro-batches act as accumulation steps (the masked-LM loss is a mean over each
@@ -317,12 +318,15 @@ def test_model_parallel_pretraining_equals_one_process(work, tmp_path):
                                 str(micro / "run.jsonl"), "--export-dir", str(micro / "export")]) == 0  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     split = {"tp": ["--tensor-parallel", "2"],
-             "pp": ["--pipeline-parallel", "2", "--micro-batches", "2"]}  # fmt: skip
+             "pp": ["--pipeline-parallel", "2", "--micro-batches", "2"],
+             "tppp": ["--tensor-parallel", "2", "--pipeline-parallel", "2",
+                      "--micro-batches", "2"]}  # fmt: skip
     for name, flags in split.items():
         two = tmp_path / name
+        procs = "4" if name == "tppp" else "2"
         result = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-             "2", str(ROOT / "scripts" / "pretrain_bert.py"), *base, *flags,
+             procs, str(ROOT / "scripts" / "pretrain_bert.py"), *base, *flags,
              "--output_dir", str(two), "--run-log", str(two / "run.jsonl"),
              "--export-dir", str(two / "export")],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
