@@ -155,6 +155,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(--only-predict) or continue from",
     )
     m.add_argument("--vocab-file", type=str, default=None, help="vocab.txt (default: published)")
+    m.add_argument(
+        "--unpad",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run the layers on the real tokens only, not the padding (faster by the padded "
+        "share of each batch); the padding's span logits become -10000, so the loss no longer "
+        "counts them (docs/squad.md)",
+    )
 
     add_optimizer_args(p, default="adamw")
     p.set_defaults(wd=0.01, no_wd=True)  # BERT: decay 0.01, none on LayerNorm and biases
@@ -505,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)  # the same span-classifier init on every rank and rerun
     model = build_model(args, logger, env.is_main)
     model.bert.set_gradient_checkpointing(args.gradient_checkpointing)
+    model.bert.set_unpadding(args.unpad)
     world = env  # the whole world; env becomes its data-parallel view with model parallelism
     model, env = apply_model_parallel(args, world, model, inputs_of=pipeline_inputs)
     optimizer = build_optimizer(args, model)

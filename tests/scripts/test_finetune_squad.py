@@ -123,6 +123,29 @@ def test_version_2_writes_null_odds(tmp_path, env):
     assert results["total"] == 3 and results["NoAns_total"] == 1 and "best_f1" in results
 
 
+def test_unpad_predicts_what_the_padded_model_predicts(tmp_path, env):
+    """``--unpad``: the layers run on the real tokens only; the real tokens' span logits are
+    the padded model's, so the predictions (and their scores) are the same."""
+    data = _tiny_set(tmp_path / "tiny.json")
+    script = _load_script()
+    out = {}
+    for name, flags in (("padded", []), ("unpadded", ["--unpad"])):
+        out[name] = tmp_path / name
+        code = script.main(["--only_predict", "--predict_file", str(data), *FAST, *flags,
+                            "--test_batch_size", "3", "--output_dir", str(out[name]),
+                            "--run-log", str(out[name] / "run.jsonl")])  # fmt: skip
+        assert code == 0
+    assert _records(out["unpadded"] / "run.jsonl")[0]["config"]["unpad"] is True
+    assert _records(out["padded"] / "run.jsonl")[0]["config"]["unpad"] is False
+    nbest = [json.loads((out[k] / "nbest_predictions.json").read_text()) for k in out]
+    assert nbest[0].keys() == nbest[1].keys()
+    for qid in nbest[0]:
+        a, b = nbest[0][qid], nbest[1][qid]
+        assert [x["text"] for x in a] == [x["text"] for x in b], qid
+        for x, y in zip(a, b, strict=True):
+            assert x["probability"] == pytest.approx(y["probability"], abs=1e-4), qid
+
+
 def _tiny_set(path: Path) -> Path:
     """Eight real questions about two real docstrings."""
     qas = [
