@@ -233,6 +233,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("training needs --train-file (or pass --only-predict)")
     if args.version_2 and builtin:
         p.error("the built-in set is SQuAD 1.1; --version-2 needs --train-file/--predict-file")
+    split = [f for f, on in (("--tensor-parallel", args.tensor_parallel not in (None, 1)),
+                             ("--pipeline-parallel", args.pipeline_parallel not in (None, 1)),
+                             ("--plan", bool(args.plan))) if on]  # fmt: skip
+    if args.unpad and split:
+        p.error(f"--unpad does not run on a model split by {split[0]}; drop one of the two")
     return args
 
 

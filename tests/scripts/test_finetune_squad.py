@@ -137,6 +137,8 @@ def test_unpad_predicts_what_the_padded_model_predicts(tmp_path, env):
         assert code == 0
     assert _records(out["unpadded"] / "run.jsonl")[0]["config"]["unpad"] is True
     assert _records(out["padded"] / "run.jsonl")[0]["config"]["unpad"] is False
+    with pytest.raises(SystemExit):  # not with a split model: refused, not ignored
+        script.parse_args(["--unpad", "--tensor-parallel", "2", *FAST])
     nbest = [json.loads((out[k] / "nbest_predictions.json").read_text()) for k in out]
     assert nbest[0].keys() == nbest[1].keys()
     for qid in nbest[0]:
