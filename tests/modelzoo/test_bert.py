@@ -88,6 +88,39 @@ def test_qa_head_matches_transformers(batch, hf_config, tmp_path):
     torch.testing.assert_close(got.end, want.end_logits, rtol=0, atol=1e-4)
 
 
+def test_unpadded_minilm_matches_transformers_on_the_real_tokens(batch):
+    """BertModel.set_unpadding (test_bert_unpad.py): the real tokens' hidden states and span
+    logits are still Hugging Face's to 1e-4; the padding scores PAD_SPAN_LOGIT."""
+    from modelzoo.nlp.bert import PAD_SPAN_LOGIT
+
+    hf = transformers.BertModel.from_pretrained(MINILM, attn_implementation="eager").eval()
+    ours = modelzoo.get_model("minilm_l6_h384", pretrained=True).eval()
+    ours.set_unpadding(True)
+    with torch.no_grad():
+        want = hf(**batch, output_hidden_states=True)
+        got = ours(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
+                   output_hidden_states=True)  # fmt: skip
+    real = batch["attention_mask"].bool()
+    for layer, (a, b) in enumerate(zip(got.hidden_states, want.hidden_states, strict=True)):
+        diff = (a - b)[real].abs().max().item()
+        assert diff < 1e-4, f"hidden state {layer}: max |diff| {diff}"
+    torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=0, atol=1e-4)
+    hf_qa = transformers.BertForQuestionAnswering.from_pretrained(MINILM).eval()
+    torch.manual_seed(0)
+    torch.nn.init.normal_(hf_qa.qa_outputs.weight, std=0.5)
+    qa = modelzoo.get_model("minilm_l6_h384", pretrained=True, head="qa").eval()
+    qa.span_classifier.load_state_dict(
+        {"weight": hf_qa.qa_outputs.weight, "bias": hf_qa.qa_outputs.bias}
+    )
+    qa.bert.set_unpadding(True)
+    with torch.no_grad():
+        want_qa = hf_qa(**batch)
+        got_qa = qa(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+    for a, b in ((got_qa.start, want_qa.start_logits), (got_qa.end, want_qa.end_logits)):
+        assert (a - b)[real].abs().max().item() < 1e-4
+        assert torch.all(a[~real] == PAD_SPAN_LOGIT)
+
+
 def _hf_pretraining(hf_config):
     """MiniLM's encoder with seeded random masked-LM and next-sentence heads."""
     torch.manual_seed(1)

