@@ -53,8 +53,8 @@ from modelzoo.nlp.pretraining import (
     PretrainingCollate,
     PretrainingShards,
     ShardError,
+    corpus_vocabulary,
     prepare_pretraining_data,
-    stdlib_documents,
     write_stdlib_corpus,
 )
 from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
@@ -352,23 +352,6 @@ def load_tokenizer(args: argparse.Namespace) -> BertTokenizer:
         )
     tokenizer = get_tokenizer("minilm_l6_h384", progress=not args.no_progress)
     return corpus_vocabulary(tokenizer) if args.corpus_vocab else tokenizer
-
-
-def corpus_vocabulary(tokenizer: BertTokenizer) -> BertTokenizer:
-    """``tokenizer`` restricted to the tokens that the built-in training corpus uses, plus the
-    special tokens, in their original order. WordPiece's greedy longest match only ever picks
-    a token it used before, so the training text is cut into the same tokens; held-out words
-    whose pieces are missing fall back to shorter pieces or ``[UNK]``."""
-    used = {tokenizer.vocab[token] for token in tokenizer.specials.values()}
-    for document in stdlib_documents("train"):
-        for encoding in tokenizer.encode_batch(document):
-            used.update(encoding.ids)
-    tokens = tokenizer.convert_ids_to_tokens(sorted(used))
-    return BertTokenizer(
-        {token: i for i, token in enumerate(tokens)},
-        lowercase=tokenizer.lowercase,
-        specials=tokenizer.specials,
-    )
 
 
 def _vocab_sha(tokenizer: BertTokenizer) -> str:

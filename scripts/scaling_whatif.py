@@ -249,7 +249,21 @@ def _pretraining_vocab_size(config: dict[str, Any]) -> int:
         return len(BertTokenizer.from_dir(config["phase1_model"]))
     if any(config.get(f"phase{n}_data") for n in (1, 2)):
         raise FileNotFoundError("the run's vocab.txt is not on this machine")
+    if config.get("phase1_model") and not config.get("corpus_vocab"):
+        raise FileNotFoundError("the phase-1 model's vocab.txt is not on this machine")
+    if config.get("corpus_vocab"):  # --corpus-vocab: the tokens the built-in corpus uses
+        return _corpus_vocab_size()
     return len(get_tokenizer("minilm_l6_h384", progress=False))  # the built-in corpus's
+
+
+@functools.cache
+def _corpus_vocab_size() -> int:
+    """``pretrain_bert.py --corpus-vocab``'s vocabulary size (tokenizes the built-in corpus
+    once per process)."""
+    from modelzoo.nlp.pretraining import corpus_vocabulary
+    from modelzoo.nlp.tokenizer import get_tokenizer
+
+    return len(corpus_vocabulary(get_tokenizer("minilm_l6_h384", progress=False)))
 
 
 def _model_grad_bytes(name: str | None, config: dict[str, Any], script: str = "") -> float:

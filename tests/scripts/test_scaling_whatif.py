@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -189,11 +190,29 @@ def _hf_bert_params(script: str, config: dict) -> int:
             vocab = Path(package.__file__).parent / "model" / "vocab.txt"
         elif Path(vocab).is_dir():
             vocab = Path(vocab) / "vocab.txt"
-        arch["vocab_size"] = sum(1 for line in Path(vocab).read_text().splitlines() if line)
+        if config.get("corpus_vocab"):  # the tokens the built-in corpus uses, counted by HF
+            arch["vocab_size"] = _hf_corpus_vocab_size(str(vocab))
+        else:
+            arch["vocab_size"] = sum(1 for line in Path(vocab).read_text().splitlines() if line)
         model = transformers.BertForPreTraining(transformers.BertConfig(**arch))
     else:
         model = transformers.BertForQuestionAnswering(transformers.BertConfig(**arch))
     return sum(p.numel() for p in model.parameters())
+
+
+@functools.cache
+def _hf_corpus_vocab_size(vocab: str) -> int:
+    """``--corpus-vocab``'s size: the distinct ids Hugging Face's WordPiece tokenizer (the
+    directory of ``vocab``) gives the built-in corpus's training text, plus the specials."""
+    transformers = pytest.importorskip("transformers")
+    from modelzoo.nlp.pretraining import stdlib_documents
+
+    tok = transformers.BertTokenizerFast.from_pretrained(str(Path(vocab).parent))
+    used = {tok.vocab[t] for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")}
+    for document in stdlib_documents("train"):
+        for ids in tok(document, add_special_tokens=False)["input_ids"]:
+            used.update(ids)
+    return len(used)
 
 
 def _expected_grad_bytes(path: Path, records: list[dict]) -> float:

@@ -51,7 +51,7 @@ Example:
     >>> data = PretrainingShards("data/p1")  # doctest: +SKIP
 """
 
-from .corpus import stdlib_documents, write_stdlib_corpus
+from .corpus import corpus_vocabulary, stdlib_documents, write_stdlib_corpus
 from .instances import (
     INDEX_NAME,
     SHARD_FORMAT,
@@ -85,6 +85,7 @@ __all__ = [
     "prepare_pretraining_data",
     "read_documents",
     "shard_dtype",
+    "corpus_vocabulary",
     "stdlib_documents",
     "write_shards",
     "write_stdlib_corpus",

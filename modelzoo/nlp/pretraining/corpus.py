@@ -9,11 +9,12 @@ import re
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from ...fileio import atomic_write_text
 
 __all__ = [
+    "corpus_vocabulary",
     "stdlib_documents",
     "write_stdlib_corpus",
 ]
@@ -126,3 +127,24 @@ def write_stdlib_corpus(
 
     atomic_write_text(path, write)
     return {"documents": documents, "sentences": sentences, "bytes": path.stat().st_size}
+
+
+def corpus_vocabulary(tokenizer: Any) -> Any:
+    """``tokenizer`` restricted to the tokens that the built-in training corpus uses, plus the
+    special tokens, in their original order (``pretrain_bert.py --corpus-vocab``; a
+    :class:`~modelzoo.nlp.tokenizer.BertTokenizer` in, one out). WordPiece's greedy longest
+    match only ever picks a token it used before, so the training text is cut into the same
+    tokens; held-out words whose pieces are missing fall back to shorter pieces or
+    ``[UNK]``."""
+    from ..tokenizer import BertTokenizer
+
+    used = {tokenizer.vocab[token] for token in tokenizer.specials.values()}
+    for document in stdlib_documents("train"):
+        for encoding in tokenizer.encode_batch(document):
+            used.update(encoding.ids)
+    tokens = tokenizer.convert_ids_to_tokens(sorted(used))
+    return BertTokenizer(
+        {token: i for i, token in enumerate(tokens)},
+        lowercase=tokenizer.lowercase,
+        specials=tokenizer.specials,
+    )
