@@ -275,6 +275,19 @@ def _model_grad_bytes(name: str | None, config: dict[str, Any], script: str = ""
     """
     head = SCRIPT_HEADS.get(script)
     vocab_size = None
+    source = config.get("pretrained_bert_parameters")
+    if script == "finetune_squad.py" and source:  # the script's build_model, in its order
+        folder = Path(source) if Path(source).is_dir() else Path(source).parent
+        if (folder / "config.json").is_file():
+            from modelzoo.nlp.bert import BertConfig, build_bert
+
+            model = build_bert(BertConfig.from_hf(folder / "config.json"), head="qa")
+            return 4.0 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+        if not Path(source).exists():
+            raise LookupError(
+                f"fine-tuned the BERT in {source}, which is not on this machine (its size "
+                "may not be --bert-model's); pass --grad-bytes"
+            )
     if script == "pretrain_bert.py":
         try:
             vocab_size = _pretraining_vocab_size(config)
@@ -372,8 +385,10 @@ def data_parts(header: dict[str, Any], world: int) -> int:
         return world
 
 
-def workload_from_log(path: str | Path) -> Workload:
-    """``T_c``, ``G``, ``r`` and the overlap of the run in ``path`` (see the module docstring)."""
+def workload_from_log(path: str | Path, *, grad_bytes: float | None = None) -> Workload:
+    """``T_c``, ``G``, ``r`` and the overlap of the run in ``path`` (see the module docstring).
+    ``grad_bytes``: ``G`` when the log recorded none (``--grad-bytes``), instead of counting
+    the parameters of the model it names."""
     try:
         records = read_run_log(path)
     except RunLogError as e:
@@ -404,7 +419,7 @@ def workload_from_log(path: str | Path) -> Workload:
         ratio = sum(grad) / sum(sent) if sum(sent) > 0 else math.inf
     if grad:
         grad_bytes = grad[-1]
-    else:
+    elif grad_bytes is None:
         name = config.get("model") or config.get("bert_model")
         try:
             grad_bytes = _model_grad_bytes(str(name) if name else None, config, script)
@@ -502,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 < args.target <= 1:
         p.error(f"--target must be in (0, 1], got {args.target}")
     if args.log is not None:
-        w = workload_from_log(args.log)
+        w = workload_from_log(args.log, grad_bytes=args.grad_bytes)
     else:
         w = Workload(compute_time=args.compute_time, grad_bytes=0.0, source="")
     changes: dict[str, Any] = {}
