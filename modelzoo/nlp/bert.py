@@ -57,6 +57,9 @@ __all__ = [
 ]
 
 HEADS = ("none", "qa", "pretraining", "classification")
+# Unpadded rows (BertModel.set_unpadding): the real tokens' flat indices in the (B, T) batch,
+# B, T, and each row's count of real tokens.
+_Rows = tuple[torch.Tensor, int, int, list[int]]
 PAD_SPAN_LOGIT = -10000.0  # unpadded span QA's score of a pad position (BertModel.set_unpadding)
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
@@ -239,10 +242,11 @@ class BertSelfAttention(nn.Module):
 
     Shape:
         ``x`` ``(B, T, C)``; ``mask`` ``(B, 1, 1, T)`` boolean (True: attend) or None;
-        output ``(B, T, C)``. Unpadded (``rows = (index, B, T)``, see
-        :meth:`BertModel.set_unpadding`): ``x`` ``(N, C)``, the ``N`` real tokens at the
-        flat positions ``index`` of the ``(B, T)`` batch; output ``(N, C)``. Only the
-        attention itself runs on the padded ``(B, H, T, D)`` layout.
+        output ``(B, T, C)``. Unpadded (``rows = (index, B, T, counts)``, see
+        :meth:`BertModel.set_unpadding`): ``x`` ``(N, C)``, the ``N`` real tokens of the
+        ``(B, T)`` batch row after row (``counts[b]`` of row ``b``); output ``(N, C)``. Each
+        row's real tokens then attend to each other, with no mask: what the padded
+        attention gives a real token, since the mask hides the padding's keys from it.
     """
 
     def __init__(self, config: BertConfig) -> None:
@@ -257,21 +261,25 @@ class BertSelfAttention(nn.Module):
         self,
         x: torch.Tensor,
         mask: torch.Tensor | None = None,
-        rows: tuple[torch.Tensor, int, int] | None = None,
+        rows: _Rows | None = None,
     ) -> torch.Tensor:
         qkv = self.qkv(x)
-        if rows is None:
-            batch, length, _ = x.shape
-        else:  # scatter the real tokens' q, k, v into the padded layout (zeros at padding)
-            index, batch, length = rows
-            qkv = qkv.new_zeros(batch * length, qkv.shape[-1]).index_copy(0, index, qkv)
+        dropout = self.dropout_p if self.training else 0.0
+        if rows is not None:  # one row's real tokens at a time (varlen attention)
+            qkv = qkv.view(-1, 3, self.num_heads, self.head_dim)
+            outs, start = [], 0
+            for count in rows[3]:
+                if count:
+                    q, k, v = qkv[start : start + count].permute(1, 2, 0, 3)[:, None].unbind(0)
+                    y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)  # (1, H, n, D)
+                    outs.append(y[0].transpose(0, 1).reshape(count, -1))
+                    start += count
+            return self.proj(torch.cat(outs))  # (N, C); C / tp when tensor-parallel
+        batch, length, _ = x.shape
         qkv = qkv.view(batch, length, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, T, D)
-        dropout = self.dropout_p if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         y = y.transpose(1, 2).reshape(batch, length, -1)  # (B, T, C); C / tp when tensor-parallel
-        if rows is not None:
-            y = y.reshape(batch * length, -1).index_select(0, rows[0])  # (N, C)
         return self.proj(y)
 
 
@@ -293,7 +301,7 @@ class BertLayer(nn.Module):
         self,
         x: torch.Tensor,
         mask: torch.Tensor | None = None,
-        rows: tuple[torch.Tensor, int, int] | None = None,
+        rows: _Rows | None = None,
     ) -> torch.Tensor:
         """``x`` ``(B, T, C)``, or ``(N, C)`` unpadded with ``rows`` (:class:`BertSelfAttention`):
         everything but the attention is per token, so it runs on the real tokens only."""
@@ -379,11 +387,11 @@ class BertModel(nn.Module):
         """Run the layers on the real tokens only, not on the padding.
 
         With an ``attention_mask`` that has padding, the embeddings' output is packed to its
-        ``N`` real tokens, ``(N, C)``, and every linear layer, LayerNorm, activation and
-        dropout of every Transformer layer runs on those rows; only the attention scatters
-        the real tokens' queries, keys and values into the padded ``(B, H, T, D)`` layout
-        (the keys at padding are masked out as before). A batch whose windows are a quarter
-        padding saves about a quarter of the layers' matrix products.
+        ``N`` real tokens, ``(N, C)``, row after row, and every linear layer, LayerNorm,
+        activation and dropout of every Transformer layer runs on those rows; the attention
+        runs row by row on each row's real tokens only, without a mask (what a real token
+        gets from the padded, masked attention: the mask hides the padding's keys from it).
+        A batch whose windows are a quarter padding skips about a quarter of the work.
 
         What changes: the padding's outputs. Padded, BERT computes hidden states for the
         padding too (each pad position attends to the real tokens); nothing reads them but
@@ -398,15 +406,16 @@ class BertModel(nn.Module):
         self.unpad = bool(enabled)
         return self
 
-    def _rows(self, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, int, int] | None:
-        """``(index, B, T)`` of the real tokens when unpadding applies, else None."""
+    def _rows(self, attention_mask: torch.Tensor | None) -> _Rows | None:
+        """``(index, B, T, counts)`` of the real tokens when unpadding applies, else None."""
         if not self.unpad or attention_mask is None:
             return None
-        keep = attention_mask.reshape(-1) != 0
-        if bool(keep.all()):
+        keep = attention_mask != 0
+        if bool(keep.all()) or not bool(keep.any()):  # no padding, or nothing but padding
             return None
         batch, length = attention_mask.shape
-        return keep.nonzero().squeeze(1), batch, length
+        counts = keep.sum(1).tolist()
+        return keep.reshape(-1).nonzero().squeeze(1), batch, length, counts
 
     def reset_parameters(self) -> None:
         """BERT's initialization: weights N(0, initializer_range), zero biases, LayerNorm
@@ -442,11 +451,11 @@ class BertModel(nn.Module):
         return BertOutput(x, pooled, tuple(states) if states is not None else None)
 
     @staticmethod
-    def _padded(x: torch.Tensor, rows: tuple[torch.Tensor, int, int] | None) -> torch.Tensor:
+    def _padded(x: torch.Tensor, rows: _Rows | None) -> torch.Tensor:
         """``(N, C)`` real tokens back to ``(B, T, C)``, zeros at padding."""
         if rows is None:
             return x
-        index, batch, length = rows
+        index, batch, length, _ = rows
         out = x.new_zeros(batch * length, x.shape[-1]).index_copy(0, index, x)
         return out.view(batch, length, -1)
 
