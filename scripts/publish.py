@@ -207,10 +207,17 @@ def cmd_add(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fmt(value: float | None, metric: str) -> str:
+def _fmt(value: float | None, percent: bool) -> str:
     if value is None:
         return "-"
-    return f"{value:.2f}" if abs(value) > 1.5 else f"{100 * value:.2f} %"
+    return f"{100 * value:.2f} %" if percent else f"{value:.2f}"
+
+
+def _is_fraction(entry: dict[str, Any]) -> bool:
+    """Whether a recipe's metric is a fraction (accuracy 0..1, shown in %), judged on its
+    mean and extremes together: a small standard deviation of an F1 stays an F1."""
+    values = [entry[k] for k in ("mean", "min", "max") if entry.get(k) is not None]
+    return bool(values) and all(abs(v) <= 1.5 for v in values)
 
 
 def render_table(claims: dict[str, Any], names: Sequence[str]) -> str:
@@ -223,15 +230,15 @@ def render_table(claims: dict[str, Any], names: Sequence[str]) -> str:
         if name not in claims["recipes"]:
             raise ClaimsError(f"docs name recipe {name!r}, which logs/claims.json does not list")
         e = claims["recipes"][name]
-        m = e["metric"]
+        m, pct = e["metric"], _is_fraction(e)
         spread = (
-            f"{_fmt(e['mean'], m)} ± {_fmt(e['std'], m)}"
+            f"{_fmt(e['mean'], pct)} ± {_fmt(e['std'], pct)}"
             if e["std"] is not None
-            else _fmt(e["mean"], m)
+            else _fmt(e["mean"], pct)
         )
         lines.append(
-            f"| `{name}` ({e['description']}) | {e['status']} | {m} | {spread} ({e['n']}) | {_fmt(e['min'], m)} "
-            f"| {_fmt(e['max'], m)} | ≥ {_fmt(e['claim'], m)} |"
+            f"| `{name}` ({e['description']}) | {e['status']} | {m} | {spread} ({e['n']}) | {_fmt(e['min'], pct)} "
+            f"| {_fmt(e['max'], pct)} | ≥ {_fmt(e['claim'], pct)} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -219,3 +219,18 @@ def test_check_finds_a_tampered_claim_and_a_stale_docs_table(fake_repo, tmp_path
     problems = publish.check(claims, docs)
     assert any("fake: mean is 0.99, the logs give" in p for p in problems)
     assert any("claims tables out of date" in p for p in problems)
+
+
+def test_docs_table_shows_fractions_in_percent_and_other_metrics_as_they_are():
+    """A recipe's scale is judged on its mean and extremes: an F1 with a standard deviation
+    below 1.5 stays an F1 (it printed "13.49 ± 31.89 %" before), an accuracy fraction is %."""
+    entry = {"status": "published", "n": 5, "description": "d"}
+    claims = {"recipes": {
+        "f1": {**entry, "metric": "f1", "mean": 13.49, "std": 0.3189, "min": 13.05,
+               "max": 13.82, "claim": 13.0},
+        "acc": {**entry, "metric": "top1", "mean": 0.9712, "std": 0.0031, "min": 0.9677,
+                "max": 0.9755, "claim": 0.96},
+    }}  # fmt: skip
+    table = publish.render_table(claims, ["f1", "acc"])
+    assert "| 13.49 ± 0.32 (5) | 13.05 | 13.82 | ≥ 13.00 |" in table
+    assert "| 97.12 % ± 0.31 % (5) | 96.77 % | 97.55 % | ≥ 96.00 % |" in table
