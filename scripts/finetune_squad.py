@@ -233,6 +233,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("training needs --train-file (or pass --only-predict)")
     if args.version_2 and builtin:
         p.error("the built-in set is SQuAD 1.1; --version-2 needs --train-file/--predict-file")
+    for flag, value in (("--pretrained-bert-parameters", args.pretrained_bert_parameters),
+                        ("--model-parameters", args.model_parameters)):  # fmt: skip
+        if value and not Path(value).exists():
+            p.error(f"{flag} {value}: no such file or directory")
     split = [f for f, on in (("--tensor-parallel", args.tensor_parallel not in (None, 1)),
                              ("--pipeline-parallel", args.pipeline_parallel not in (None, 1)),
                              ("--plan", bool(args.plan))) if on]  # fmt: skip

@@ -139,6 +139,8 @@ def test_unpad_predicts_what_the_padded_model_predicts(tmp_path, env):
     assert _records(out["padded"] / "run.jsonl")[0]["config"]["unpad"] is False
     with pytest.raises(SystemExit):  # not with a split model: refused, not ignored
         script.parse_args(["--unpad", "--tensor-parallel", "2", *FAST])
+    with pytest.raises(SystemExit):  # a checkpoint that is not there is named at once
+        script.parse_args(["--pretrained-bert-parameters", str(tmp_path / "nope"), *FAST])
     nbest = [json.loads((out[k] / "nbest_predictions.json").read_text()) for k in out]
     assert nbest[0].keys() == nbest[1].keys()
     for qid in nbest[0]:
