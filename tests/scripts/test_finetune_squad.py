@@ -253,10 +253,10 @@ def test_fine_tuning_minilm_beats_the_untuned_model_on_held_out_questions(tmp_pa
 
 @pytest.mark.dist
 def test_model_parallel_fine_tuning_equals_one_process(tmp_path):
-    """``--tensor-parallel 2``, ``--pipeline-parallel 2 --micro-batches 2`` and the planner's
-    plan (``--plan``: on a 1 Gbps link it picks 2 GPipe stages, boundaries from the profile) on
-    2 processes (one replica split in two), and both at once on 4 processes (2 stages of 2
-    tensor-parallel ranks), train the same model as one process: same losses, same weights up
+    """``--tensor-parallel 2`` and the planner's plan (``--plan``: on a 1 Gbps link it picks 2
+    GPipe stages of 2 micro-batches, boundaries from the profile) on 2 processes (one replica
+    split in two), and ``--tensor-parallel 2 --pipeline-parallel 2 --micro-batches 2`` on 4
+    processes (2 stages of 2 tensor-parallel ranks), train the same model as one process: same losses, same weights up
     to float32 rounding of the split sums, same predictions; the saved model is the ordinary
     unsplit directory."""
     from safetensors.torch import load_file
@@ -284,8 +284,6 @@ def test_model_parallel_fine_tuning_equals_one_process(tmp_path):
     for name, launch in (
         ("one", [sys.executable, str(SCRIPT)]),
         ("tp", [*two, "--tensor-parallel", "2"]),
-        ("pp", [*two, "--pipeline-parallel", "2", "--micro-batches", "2",
-                "--pipeline-schedule", "gpipe"]),
         ("plan", [*two, "--plan", str(plan_file)]),
         ("tppp", [*four, "--tensor-parallel", "2", "--pipeline-parallel", "2",
                   "--micro-batches", "2"]),
@@ -297,10 +295,9 @@ def test_model_parallel_fine_tuning_equals_one_process(tmp_path):
         )  # fmt: skip
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         runs[name] = out
-    one, tp, pp, planned, both = (_records(runs[k] / "run.jsonl")
-                                  for k in ("one", "tp", "pp", "plan", "tppp"))  # fmt: skip
-    assert tp[0]["world_size"] == 2 and pp[0]["world_size"] == 2
-    assert pp[0]["config"]["pipeline_parallel"] == 2
+    one, tp, planned, both = (_records(runs[k] / "run.jsonl")
+                              for k in ("one", "tp", "plan", "tppp"))  # fmt: skip
+    assert tp[0]["world_size"] == 2 and planned[0]["world_size"] == 2
     assert both[0]["world_size"] == 4
     assert (both[0]["config"]["tensor_parallel"], both[0]["config"]["pipeline_parallel"]) == (2, 2)
     # the plan's placement is what the run used
@@ -308,16 +305,14 @@ def test_model_parallel_fine_tuning_equals_one_process(tmp_path):
     assert (config["pipeline_parallel"], config["micro_batches"], config["pipeline_schedule"],
             config["pipeline_boundaries"]) == (2, 2, plan["schedule"], plan["boundaries"])  # fmt: skip
     losses = [[r["loss"] for r in recs if r["kind"] == "step"]
-              for recs in (one, tp, pp, planned, both)]  # fmt: skip
+              for recs in (one, tp, planned, both)]  # fmt: skip
     assert len(losses[0]) == 4
     for other in losses[1:]:
         assert other == pytest.approx(losses[0], rel=1e-5)
     a, b, c, e = (
-        load_file(str(runs[k] / "model.safetensors")) for k in ("one", "tp", "pp", "tppp")
+        load_file(str(runs[k] / "model.safetensors")) for k in ("one", "tp", "plan", "tppp")
     )
     assert sorted(a) == sorted(b) == sorted(c) == sorted(e)
-    d = load_file(str(runs["plan"] / "model.safetensors"))
-    assert max((a[k] - d[k]).abs().max().item() for k in a if k != "qa_outputs.bias") < 1e-5
     # qa_outputs.bias shifts every position's start (end) logit alike, so the softmax over
     # positions makes its gradient exactly zero: what it holds is rounding noise that Adam's
     # normalisation blows up to ~lr, different in every summation order. Not compared.
@@ -333,7 +328,7 @@ def test_model_parallel_fine_tuning_equals_one_process(tmp_path):
     moved = max((a[k] - start[k]).abs().max().item() for k in a if "qa_outputs" not in k)
     assert moved > 1e-3
     predictions = [json.loads((runs[k] / "predictions.json").read_text())
-                   for k in ("one", "tp", "pp", "tppp")]  # fmt: skip
+                   for k in ("one", "tp", "plan", "tppp")]  # fmt: skip
     assert predictions[0] == predictions[1] == predictions[2] == predictions[3]
-    evals = [[r["f1"] for r in recs if r["kind"] == "eval"] for recs in (one, pp)]
+    evals = [[r["f1"] for r in recs if r["kind"] == "eval"] for recs in (one, planned)]
     assert evals[1] == pytest.approx(evals[0], abs=1e-9) and evals[0]
