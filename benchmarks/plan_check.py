@@ -49,6 +49,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from modelzoo.nlp.bert import BertConfig, BertForQuestionAnswering  # noqa: E402
+from trainers._dtensor import local_tensor  # noqa: E402
 from trainers.parallel.plan import (  # noqa: E402
     BlockProfile,
     Network,
@@ -144,12 +145,6 @@ def _flat_allreduce_(grads: list[torch.Tensor], group: Any, members: int) -> Non
         offset += g.numel()
 
 
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return grad.to_local() if isinstance(grad, DTensor) else grad
-
-
 def build_step(p: Plan, args: argparse.Namespace, rank: int):
     """This rank's part of plan ``p``: a function running one optimizer step."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -180,7 +175,7 @@ def build_step(p: Plan, args: argparse.Namespace, rank: int):
                 loss = span_loss(torch.stack([out.start, out.end], -1), spans[part]) / micro
                 loss.backward()
             if dp > 1:
-                _flat_allreduce_([_local(q.grad) for q in params], dp_group, dp)
+                _flat_allreduce_([local_tensor(q.grad) for q in params], dp_group, dp)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -206,7 +201,7 @@ def build_step(p: Plan, args: argparse.Namespace, rank: int):
     def step() -> None:
         pipe.step(inputs if pipe.is_first else (), spans if pipe.is_last else None)
         if dp > 1:
-            _flat_allreduce_([_local(q.grad) for q in params], dp_group, dp)
+            _flat_allreduce_([local_tensor(q.grad) for q in params], dp_group, dp)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

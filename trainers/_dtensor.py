@@ -9,7 +9,14 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["PIPELINE_ATTR", "TP_ATTR", "is_dtensor", "is_pipeline_parallel", "is_tensor_parallel"]
+__all__ = [
+    "PIPELINE_ATTR",
+    "TP_ATTR",
+    "is_dtensor",
+    "is_pipeline_parallel",
+    "is_tensor_parallel",
+    "local_tensor",
+]
 
 TP_ATTR = "_modelzoo_tensor_parallel"  # set on a model's root module: its tp mesh
 
@@ -18,6 +25,12 @@ def is_dtensor(value: Any) -> bool:
     """Whether ``value`` is a ``torch.distributed.tensor.DTensor``."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(value, module.DTensor)
+
+
+def local_tensor(tensor: Any) -> Any:
+    """A DTensor's local shard, any other tensor itself. Under ``torch.no_grad()`` the shard
+    shares the DTensor's storage (in-place updates reach it), not an autograd view."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def is_tensor_parallel(model: Any) -> bool:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .._dtensor import is_dtensor, is_pipeline_parallel
+from .._dtensor import is_dtensor, is_pipeline_parallel, local_tensor
 from ..dist import DistEnv
 from .base import CommCounter, GradCombiner, option, register_combiner
 from .flat import allreduce_mean_
@@ -96,7 +96,7 @@ class AverageCombiner(DDPCombiner):
             # gradients over the data-parallel group after the backward instead.
             self._average_after_backward = True
             self.counter.grad_bytes = sum(
-                _local(p).numel() * _local(p).element_size() for p in model.parameters()
+                local_tensor(p).numel() * local_tensor(p).element_size() for p in model.parameters()
             )
             return model
         self.counter.set_model(model)
@@ -109,7 +109,7 @@ class AverageCombiner(DDPCombiner):
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for p in self.model.parameters():
                 if p.grad is not None:
-                    g = _local(p.grad)
+                    g = local_tensor(p.grad)
                     by_dtype.setdefault(g.dtype, []).append(g)
         for same in by_dtype.values():  # over env.group: the data-parallel replicas
             allreduce_mean_(same, self.env, dtype=None)
@@ -126,7 +126,3 @@ class AverageCombiner(DDPCombiner):
 
     def metrics(self) -> dict[str, float]:
         return self.counter.metrics() if self._communicates else {}
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if is_dtensor(tensor) else tensor

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainers._dtensor import local_tensor
+
 __all__ = [
     "PIPELINE_SCHEDULES",
     "Pipeline",
@@ -383,14 +385,6 @@ def _split_layers(model: nn.Module, tensor_mesh: Any) -> None:
     parallelize_bert(model, tensor_mesh)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor itself otherwise); call under ``no_grad`` to get
-    the shard's storage rather than an autograd view."""
-    from trainers._dtensor import is_dtensor
-
-    return tensor.to_local() if is_dtensor(tensor) else tensor
-
-
 # ---- the Trainer's pipeline-parallel model ----------------------------------------------------
 
 
@@ -663,7 +657,7 @@ class PipelinedModel(nn.Module):
         counted_elsewhere = {id(p) for p, holders in self._tied if holders[0] != self.stage_index}
         params = [p for p in self.stage.parameters() if p.grad is not None]
         with torch.no_grad():
-            grads = [_local(p.grad) for p in params]
+            grads = [local_tensor(p.grad) for p in params]
         square = torch.zeros((), dtype=torch.float64, device=self.device)
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         for p, g in zip(params, grads, strict=True):
@@ -695,7 +689,9 @@ class PipelinedModel(nn.Module):
         for s in range(self.num_stages):
             blocks = self._blocks[self.boundaries[s] : self.boundaries[s + 1]]
             with torch.no_grad():  # a DTensor's own shard: its rank's index on every stage
-                tensors = [_local(t).data for b in blocks for t in (*b.parameters(), *b.buffers())]
+                tensors = [
+                    local_tensor(t).data for b in blocks for t in (*b.parameters(), *b.buffers())
+                ]
             broadcast_(tensors, src=self.global_ranks[s], group=self.group)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
