@@ -191,12 +191,14 @@ class DistEnv:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.destroy(barrier=exc_type is None)
 
-    def destroy(self, *, barrier: bool = False) -> None:
+    def destroy(self, *, barrier: bool = True) -> None:
         """Destroy the process group if :meth:`from_env` created it.
 
-        ``barrier=True`` (a clean exit of the ``with`` block) first waits for every rank, so
-        that no rank tears its gloo connections down while a peer still uses them (which can
-        abort that peer at exit: "terminate called without an active exception").
+        ``barrier=True`` (the default, and a clean exit of the ``with`` block) first waits
+        for every rank, so that no rank tears its gloo connections down while a peer still
+        uses them (which can abort that peer at exit: "terminate called without an active
+        exception"). ``barrier=False`` is for leaving after an error, when a peer may never
+        arrive (the ``with`` block passes it when an exception is propagating).
         """
         if self.owns_process_group and dist.is_initialized():
             if barrier and self.distributed:

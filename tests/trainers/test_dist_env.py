@@ -90,3 +90,28 @@ def test_seed_everything_is_per_rank():
     random.seed(12)
     want = (torch.rand(3), np.random.rand(), random.random())
     assert torch.equal(got[0], want[0]) and got[1:] == want[1:]
+
+
+def test_destroy_waits_for_every_rank_unless_leaving_after_an_error(clean_env):
+    """A clean ``destroy()`` (what the scripts call at the end) meets the other ranks at a
+    barrier before tearing the process group down: a rank that finished first and closed its
+    gloo connections while a peer still used them aborted that peer at exit, about 1 exit in
+    36 ("terminate called without an active exception"). After an error there is no barrier
+    (a peer may never arrive)."""
+    calls = []
+    clean_env.setattr(dist_module.dist, "is_initialized", lambda: True)
+    clean_env.setattr(dist_module.dist, "barrier", lambda *a, **k: calls.append("barrier"))
+    clean_env.setattr(dist_module.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    env = DistEnv(rank=1, world_size=2, backend="gloo", owns_process_group=True)
+    env.destroy()
+    assert calls == ["barrier", "destroy"]
+    calls.clear()
+    env.destroy(barrier=False)
+    assert calls == ["destroy"]
+    calls.clear()
+    with pytest.raises(KeyError), env:
+        raise KeyError("a failing step")
+    assert calls == ["destroy"]
+    calls.clear()
+    DistEnv(rank=1, world_size=2, backend="gloo", owns_process_group=False).destroy()
+    assert calls == []  # a process group the caller made is left alone
