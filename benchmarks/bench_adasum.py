@@ -113,6 +113,7 @@ def worker(
             target=TARGET,
             extra={"world_size": world, "tensors": len(grads), "numel": numel},
         )
+    dist.barrier()  # no rank leaves while a peer still talks to it
     dist.destroy_process_group()
 
 

@@ -137,6 +137,7 @@ def _casgd_worker(rank: int, args: argparse.Namespace, port: int, out: str) -> N
             messages[name] = solver.messenger.messages - before
     if rank == 0:
         torch.save({"times": times, "messages": messages}, out)
+    dist.barrier()  # no rank leaves while a peer still talks to it
     dist.destroy_process_group()
 
 

@@ -176,6 +176,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                 "buckets": buckets,
             },
         )
+    dist.barrier()  # no rank leaves while a peer still talks to it
     dist.destroy_process_group()
 
 

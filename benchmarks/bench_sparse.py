@@ -172,6 +172,7 @@ def run_world(rank: int, world: int, port: int, args: argparse.Namespace, queue)
                          "times": times, "link_gbps": args.link_gbps})  # fmt: skip
     if rank == 0:
         queue.put(rows)
+    dist.barrier()  # no rank leaves while a peer still talks to it
     dist.destroy_process_group()
 
 

@@ -251,6 +251,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
         rows.append(row)
     if rank == 0:
         out[world] = rows
+    dist.barrier()  # no rank leaves while a peer still talks to it
     dist.destroy_process_group()
 
 

@@ -71,6 +71,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: dict) -> None:
         rows.append((mib, steps))
     if rank == 0:
         out.update(per_byte=per_byte, fixed=fixed, rows=rows)
+    dist.barrier()  # no rank leaves while a peer still talks to it
     dist.destroy_process_group()
 
 

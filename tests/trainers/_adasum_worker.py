@@ -285,14 +285,17 @@ def main(out: Path, port3: str, port2: str) -> None:
     rank = int(os.environ["RANK"])
     init(rank, 4, os.environ["MASTER_PORT"])
     torch.save(world4(rank), out / f"w4_r{rank}.pt")
+    dist.barrier()  # no rank leaves while a peer still talks to it
     dist.destroy_process_group()
     if rank < 3:
         init(rank, 3, port3)
         torch.save(world3(rank), out / f"w3_r{rank}.pt")
+        dist.barrier()  # no rank leaves while a peer still talks to it
         dist.destroy_process_group()
     if rank < 2:
         init(rank, 2, port2)
         torch.save(world2(rank, out), out / f"w2_r{rank}.pt")
+        dist.barrier()  # no rank leaves while a peer still talks to it
         dist.destroy_process_group()
 
 

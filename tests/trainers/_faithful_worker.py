@@ -163,12 +163,14 @@ def main(out: Path, port2: str) -> None:
     init(rank, 4, os.environ["MASTER_PORT"])
     env = DistEnv.from_env(device="cpu")
     torch.save({"adasum": adasum_runs(env, plain=False)}, out / f"w4_r{rank}.pt")
+    dist.barrier()  # no rank leaves while a peer still talks to it
     dist.destroy_process_group()
     if rank < 2:
         init(rank, 2, port2)
         env = DistEnv.from_env(device="cpu")
         res = {"adasum": adasum_runs(env, plain=True), "adaalter": adaalter_runs(env)}
         torch.save(res, out / f"w2_r{rank}.pt")
+        dist.barrier()  # no rank leaves while a peer still talks to it
         dist.destroy_process_group()
 
 

@@ -227,6 +227,7 @@ def main(out: Path, tp: int) -> None:
     dist.all_gather_object(gathered, results)
     if rank == 0:
         torch.save(gathered, out / "result.pt")
+    dist.barrier()  # no rank leaves while a peer still talks to it
     dist.destroy_process_group()
 
 

@@ -125,6 +125,7 @@ def main() -> None:
         results["switch", nnz] = {"dense": res.dense, "bytes": res.bytes_sent,
                                   "sum": res.to_dense()}  # fmt: skip
     torch.save(results, out / f"rank{rank}.pt")
+    dist.barrier()  # no rank leaves while a peer still talks to it
     dist.destroy_process_group()
 
 

@@ -302,6 +302,7 @@ def main(out: Path) -> None:
         torch.save(res, out / "rank0.pt")
     else:
         torch.save({k: v for k, v in res.items() if "_local_rank" in k}, out / f"rank{rank}.pt")
+    dist.barrier()  # no rank leaves while a peer still talks to it
     dist.destroy_process_group()
 
 
