@@ -24,6 +24,7 @@ from tests.trainers._trainer_toys import ToyDataset, eval_step, lr_fn, make_mlp,
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
 from trainers.comm.adasum import AdasumCombiner, adasum_allreduce_
 from trainers.comm.adasum import allreduce as adasum_module
+from trainers.comm.adasum import native as native_module
 
 SHAPES = [(7,), (3, 5), (64, 3, 3, 3), (1,), (1000,), (33, 17), (0,), (4, 1, 1), (20000,)]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -178,9 +179,34 @@ def small_pieces(rank: int) -> dict:
         adasum_module._PIECE = piece
 
 
+def kernel_paths(rank: int) -> dict:
+    """The layout inputs through the four kernel paths: C kernels or torch kernels, each with
+    a rank's own tensors combined as their dots complete (the default) or all after the
+    level's dot allreduce. The order must not change a bit; the kernels may (summation
+    order, float64 rule)."""
+    results = {}
+    for name, dtype in LAYOUT_DTYPES.items():
+        inputs = layout_inputs(rank, dtype)
+        out = {}
+        for kernels in ("native", "torch", "pieces"):  # pieces: native, 1000-element messages
+            for early in (True, False):
+                saved = (native_module._LIB[:], adasum_module._EARLY_RULE, adasum_module._PIECE)
+                if kernels == "torch":
+                    native_module._LIB[:] = [None]
+                adasum_module._EARLY_RULE = early
+                adasum_module._PIECE = 1000 if kernels == "pieces" else adasum_module._PIECE
+                try:
+                    out[kernels, early] = list(adasum_allreduce_([t.clone() for t in inputs]))
+                finally:
+                    native_module._LIB[:], adasum_module._EARLY_RULE, adasum_module._PIECE = saved
+        results[name] = {"in": inputs, "out": out, "native": native_module.available(inputs[0])}
+    return results
+
+
 def world4(rank: int) -> dict:
     res: dict = {"random": allreduce_random(rank), "pieces": small_pieces(rank)}
     res["layout"] = layout(rank)
+    res["kernels"] = kernel_paths(rank)
     for kind in ("orthogonal", "parallel"):
         for name in ("fp32", "fp16"):
             cols = horovod_columns(rank, 4, DTYPES[name], kind)
@@ -219,6 +245,7 @@ def world4(rank: int) -> dict:
 def world3(rank: int) -> dict:
     res: dict = {"random": allreduce_random(rank), "pieces": small_pieces(rank)}
     res["layout"] = layout(rank)
+    res["kernels"] = kernel_paths(rank)
     env = DistEnv.from_env(device="cpu")
     # Gradient mode inside the Trainer with an odd world size: ranks stay identical.
     model = make_mlp(seed=rank)  # different on purpose: prepare() broadcasts rank 0's

@@ -34,6 +34,8 @@ from trainers.comm.adasum import (
 from trainers.comm.adasum import allreduce as adasum_module
 from trainers.comm.adasum import combiners as adasum_combiners
 from trainers.comm.adasum import kernels as adasum_kernels
+from trainers.comm.adasum import native as adasum_native
+from trainers.comm.adasum.rule import _coefficient_pair, _coefficients
 from trainers.optim import create_optimizer, list_optimizers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -190,6 +192,98 @@ def test_fused_dots_match_the_blas_dots_and_numpy(dtype, monkeypatch):
             assert (np.abs(got - want) <= bound).all(), (got, want)
         if not x.any():  # a zero side (the guard's case) sums to exactly 0
             assert fused[0] == fused[1] == 0.0
+
+
+def _lane_dots(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """numpy's float64 arithmetic in the C kernel's documented order: element ``i`` in lane
+    ``i % 16``, each lane summed in order, then the lanes in order (no FMA: products of
+    widened fp32 values are exact, fp64 products round as numpy's do)."""
+    acc = np.zeros((3, 16))
+    for start in range(0, len(x), 16):
+        u, v = x[start : start + 16], y[start : start + 16]
+        acc[:, : len(u)] += np.stack([u * v, u * u, v * v])  # one lane per element
+    out = np.zeros(3)
+    for j in range(16):
+        out += acc[:, j]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_c_kernels_give_the_documented_bits(dtype):
+    """``seg_dots_`` and ``seg_axpby_`` against numpy in float64, bit for bit: the dots in
+    the documented lane order (so the same bits on every instruction set), the rule as
+    ``p x + q y`` in float64 rounded once. Spans of every awkward length, one empty,
+    unaligned views, and accumulation into rows already holding partial sums."""
+    if not adasum_native.available(torch.zeros(1, dtype=dtype)):
+        pytest.fail("Adasum's C kernels did not build (a C compiler is a test requirement)")
+    g = torch.Generator().manual_seed(11)
+    lengths = [1, 15, 16, 17, 0, 33, 1000, 4099]
+    n = sum(lengths)
+    x = (torch.randn(n + 1, generator=g, dtype=torch.float64) * 3).to(dtype)[1:]
+    y = (torch.randn(n + 2, generator=g, dtype=torch.float64) * 1e-3).to(dtype)[2:]
+    offs = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    before = torch.randn(len(lengths), 3, generator=g, dtype=torch.float64)
+    out = before.clone()
+    adasum_native.seg_dots_(x, y, offs, out)
+    x64, y64 = x.double().numpy(), y.double().numpy()
+    for s, (lo, hi) in enumerate(zip(offs, offs[1:], strict=False)):
+        want = before[s].numpy() + _lane_dots(x64[lo:hi], y64[lo:hi])
+        assert np.array_equal(out[s].numpy(), want), (s, out[s], want)
+    p = torch.randn(len(lengths), generator=g, dtype=torch.float64).tolist()
+    q = torch.randn(len(lengths), generator=g, dtype=torch.float64).tolist()
+    z = x.clone()
+    adasum_native.seg_axpby_(z, y, offs, p, q)
+    for s, (lo, hi) in enumerate(zip(offs, offs[1:], strict=False)):
+        want = (p[s] * x64[lo:hi] + q[s] * y64[lo:hi]).astype(x.numpy().dtype)
+        assert np.array_equal(z[lo:hi].numpy(), want), s
+
+
+def test_scalar_coefficients_are_the_tensor_rule_bit_for_bit():
+    """The allreduce computes its coefficients in Python floats (no tensor ops per level):
+    the same bits as the tensor rule, over magnitudes from 1e-170 to 1e150 (overflow to
+    infinity included) and zero sides."""
+    g = torch.Generator().manual_seed(5)
+
+    def magnitudes(lo: int, hi: int) -> torch.Tensor:
+        return 10.0 ** torch.randint(lo, hi, (500,), generator=g).double()
+
+    dot = torch.randn(500, generator=g, dtype=torch.float64) * magnitudes(-150, 150)
+    na = dot.abs() * torch.rand(500, generator=g, dtype=torch.float64) * 3
+    nb = torch.rand(500, generator=g, dtype=torch.float64) * magnitudes(-170, 5)
+    na[:5], nb[5:10], dot[10:12] = 0.0, 0.0, -0.0
+    for eps in (GUARD, 0.0):
+        ca, cb = _coefficients(dot, na, nb, eps)
+        assert (ca[:5] == 1).all() and (cb[5:10] == 1).all()  # a zero side: coefficient 1
+        pairs = [
+            _coefficient_pair(d, a, b, eps)
+            for d, a, b in zip(dot.tolist(), na.tolist(), nb.tolist(), strict=True)
+        ]
+        assert torch.equal(ca, torch.tensor([c[0] for c in pairs], dtype=torch.float64))
+        assert torch.equal(cb, torch.tensor([c[1] for c in pairs], dtype=torch.float64))
+
+
+def test_a_zero_side_with_no_guard_gives_the_other_side():
+    """``eps=0``: coefficient 1 only for an exactly zero side (it used to divide 0 by 0)."""
+    b = torch.tensor([1.0, -2.0, 3.0])
+    assert torch.equal(adasum_pair(torch.zeros(3), b, eps=0.0), b)
+    assert torch.equal(adasum_pair(b, torch.zeros(3), eps=0.0), b)
+
+
+def test_c_kernels_fall_back_without_a_compiler(monkeypatch):
+    monkeypatch.setattr(adasum_native, "_LIB", [])
+    monkeypatch.setattr(adasum_native.shutil, "which", lambda name: None)
+    with pytest.warns(RuntimeWarning, match="need a C compiler"):
+        assert not adasum_native.available(torch.zeros(3))
+    monkeypatch.setattr(adasum_native, "_LIB", [])
+    monkeypatch.setenv("MODELZOO_ADASUM_NATIVE", "0")
+    assert not adasum_native.available(torch.zeros(3))
+    # without them the allreduce's kernels are the torch ones: the in-process rule is kept
+    a, b = torch.randn(40000), torch.randn(40000)
+    part = torch.zeros(1, 3, dtype=torch.float64)
+    adasum_kernels._accumulate_dots(a, b, 0, [0, 40000], True, part)
+    a64, b64 = a.double(), b.double()
+    want = torch.stack([a64 @ b64, a64 @ a64, b64 @ b64])
+    assert torch.allclose(part[0], want, rtol=1e-12, atol=0)
 
 
 def test_without_a_process_group_the_allreduce_is_the_identity():
@@ -432,6 +526,29 @@ def test_in_place_layout_matches_the_numpy_tree_and_the_packed_buffer(ranks, wor
     assert all(r["non_contiguous_stays"] for r in per_rank)
     for got, want in zip(per_rank[0]["out"], per_rank[0]["packed"], strict=True):
         # the two layouts add the partial dot sums in another order: a last-bit difference
+        scale = float(want.double().abs().max()) or 1.0
+        assert float((got.double() - want.double()).abs().max()) <= 4 * EPS[dtype] * scale
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("dtype", ["fp64", "fp32", "fp16", "bf16"])
+def test_kernel_paths_and_the_early_rule(ranks, world, dtype):
+    """The C kernels and the torch kernels both match the numpy tree (and each other to the
+    last bits); combining a rank's own tensors as their dots complete gives exactly the bits
+    of combining everything after the level's dot allreduce, also in 1000-element messages."""
+    per_rank = [r["kernels"][dtype] for r in ranks[world]]
+    if dtype in ("fp64", "fp32"):
+        assert per_rank[0]["native"], "the C kernels did not build on this machine"
+    for kernels in ("native", "torch", "pieces"):
+        for early in (True, False):
+            check_parity([{"in": r["in"], "out": r["out"][kernels, early]} for r in per_rank],
+                         np_tree, dtype)  # fmt: skip
+        for got, want in zip(per_rank[0]["out"][kernels, True], per_rank[0]["out"][kernels, False],
+                             strict=True):  # fmt: skip
+            assert torch.equal(got, want), kernels
+    for got, want in zip(per_rank[0]["out"]["native", True], per_rank[0]["out"]["torch", True],
+                         strict=True):  # fmt: skip
         scale = float(want.double().abs().max()) or 1.0
         assert float((got.double() - want.double()).abs().max()) <= 4 * EPS[dtype] * scale
 

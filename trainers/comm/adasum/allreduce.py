@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .kernels import _BUFFERS, _accumulate_dots, _apply_, _workspace
-from .rule import EPS, _coefficients
+from .rule import EPS, _coefficient_pair
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "adasum_allreduce_", "adasum_bucket_allreduce_"]
 
@@ -31,10 +31,9 @@ def _coefficient_lists(
     """Sum the partial dots over ``group``; per tensor: (this side's, the other's) coefficient."""
     if group is not _SELF:
         dist.all_reduce(part, group=group)
-    c_left, c_right = _coefficients(part[:, 0], part[:, 1], part[:, 2], eps)
-    mine, other = (c_left, c_right) if left else (c_right, c_left)
-    both = torch.stack([mine, other]).tolist()  # one host sync per level
-    return both[0], both[1]
+    pairs = [_coefficient_pair(*row, eps) for row in part.tolist()]  # one host sync
+    mine, other = (0, 1) if left else (1, 0)
+    return [c[mine] for c in pairs], [c[other] for c in pairs]
 
 
 def _combine_(
@@ -48,6 +47,32 @@ def _combine_(
     mine, other = _coefficient_lists(part, group, left, eps)
     for s, e, a in frags:
         _apply_(a, b[s:e], lo + s, bounds, mine, other)
+
+
+_EARLY_RULE = True  # combine a rank's own tensors as their dots complete (False: after all)
+
+
+def _own(bounds: Sequence[int], lo: int, hi: int) -> list[int]:
+    """The tensors lying wholly inside the global range [lo, hi): no other rank of a level's
+    group holds a part of them, so their dot sums are complete on this rank alone (the
+    group's allreduce adds exact zeros to them)."""
+    first = bisect.bisect_left(bounds, lo)
+    last = bisect.bisect_right(bounds, hi) - 1  # bounds[first] >= lo, bounds[last] <= hi
+    return list(range(first, last)) if last > first else []
+
+
+def _fill(mine: list[float], other: list[float], t0: int, m: list[float], o: list[float]) -> None:
+    mine[t0 : t0 + len(m)] = m
+    other[t0 : t0 + len(o)] = o
+
+
+def _apply_range_(
+    x: _Segments, theirs: Tensor, k0: int, lo: int, bounds: Sequence[int], s0: int, e0: int,
+    mine: list[float], other: list[float],
+) -> None:  # fmt: skip
+    """The rule on ``x[s0:e0]`` (``theirs`` holds the partner's data from ``k0`` on)."""
+    for s, e, a in x.frags(s0, e0):
+        _apply_(a, theirs[s - k0 : e - k0], lo + s, bounds, mine, other)
 
 
 # ================================================================================================
@@ -262,18 +287,35 @@ def _tree_(x: _Segments, lo: int, bounds: Sequence[int], plan: _Plan, eps: float
         (k0, k1), _ = splits[i]
         theirs = regions[i % 2]
         part = torch.zeros(len(bounds) - 1, 3, dtype=torch.float64, device=x.device)
+        mine, other = [1.0] * (len(bounds) - 1), [1.0] * (len(bounds) - 1)
+        own = _own(bounds, lo + k0, lo + k1) if _EARLY_RULE else []
+        done = 0  # own[:done] are combined
         for piece, works in posted:
             for work in works:
                 work.wait()
-            if piece is not None:
-                s, e, a = piece
-                _accumulate_dots(a, theirs[s - k0 : e - k0], lo + s, bounds, level.left, part)
-        mine, other = _coefficient_lists(part, level.group, level.left, eps)
+            if piece is None:
+                continue
+            s, e, a = piece
+            _accumulate_dots(a, theirs[s - k0 : e - k0], lo + s, bounds, level.left, part)
+            ready = done
+            while ready < len(own) and bounds[own[ready] + 1] <= lo + e:
+                ready += 1
+            if ready > done:  # their dots are complete: combine them while the data is warm
+                t0, t1 = own[done], own[ready - 1] + 1
+                _fill(mine, other, t0, *_coefficient_lists(part[t0:t1], _SELF, level.left, eps))
+                _apply_range_(
+                    x, theirs, k0, lo, bounds, bounds[t0] - lo, bounds[t1] - lo, mine, other
+                )
+                done = ready
+        _fill(mine, other, 0, *_coefficient_lists(part, level.group, level.left, eps))
+        # what is left: the tensors this rank shares with another one of the group
+        rest = [(k0, bounds[own[0]] - lo), (bounds[own[-1] + 1] - lo, k1)] if own else [(k0, k1)]
         last = i + 1 == len(plan.levels)  # else: next level's outgoing half first, start it
         order = [(k0, k1)] if last else [splits[i + 1][1], splits[i + 1][0]]
         for j, (s0, e0) in enumerate(order):
-            for s, e, a in x.frags(s0, e0):
-                _apply_(a, theirs[s - k0 : e - k0], lo + s, bounds, mine, other)
+            for r0, r1 in rest:
+                if min(e0, r1) > max(s0, r0):
+                    _apply_range_(x, theirs, k0, lo, bounds, max(s0, r0), min(e0, r1), mine, other)
             if j == 0 and len(order) == 2:
                 posted = _start_level(x, regions[(i + 1) % 2], *splits[i + 1], plan.levels[i + 1].peer)  # fmt: skip
 

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from . import native
+
 _SMALL = 4096  # segments shorter than this are reduced together, vectorized
 _RUN = 1 << 18  # at most this many elements of small segments per vectorized pass
 _CHUNK = 1 << 17  # CPU: elements per dot-product chunk (two float64 rows: 2 MB, in cache)
@@ -198,6 +200,16 @@ def _spans(bounds: Sequence[int], lo: int, hi: int) -> tuple[list[int], list[tup
     return ids, spans
 
 
+def _offsets(bounds: Sequence[int], lo: int, hi: int) -> tuple[int, list[int]]:
+    """The tensors ``t0, t0 + 1, ...`` whose ranges meet the global range [lo, hi) (empty
+    ones between them included), as their boundaries relative to ``lo`` clipped to it."""
+    if hi <= lo:
+        return 0, [0]
+    t0 = bisect.bisect_right(bounds, lo) - 1  # bounds[t0] <= lo < bounds[t0 + 1]
+    t1 = bisect.bisect_left(bounds, hi)  # the first boundary at or past hi
+    return t0, [0] + [b - lo for b in bounds[t0 + 1 : t1]] + [hi - lo]
+
+
 def _accumulate_dots(
     a: Tensor, b: Tensor, lo: int, bounds: Sequence[int], left: bool, part: Tensor
 ) -> None:
@@ -206,6 +218,11 @@ def _accumulate_dots(
     ``a`` is this rank's data on the global range [lo, lo + len(a)), ``b`` the partner's;
     ``left``: ``a`` belongs to the lower-numbered side of the pair.
     """
+    if native.available(a):  # one C call; the right side swaps x and y
+        t0, offs = _offsets(bounds, lo, lo + a.numel())
+        x, y = (a, b) if left else (b, a)
+        native.seg_dots_(x, y, offs, part[t0 : t0 + len(offs) - 1])
+        return
     ids, spans = _spans(bounds, lo, lo + a.numel())
     if spans:
         dots = _segment_dots(a, b, spans)  # (a.b, a.a, b.b)
@@ -218,6 +235,11 @@ def _apply_(
     a: Tensor, b: Tensor, lo: int, bounds: Sequence[int], mine: list[float], other: list[float]
 ) -> None:
     """``a = mine[t] a + other[t] b`` for every tensor ``t`` meeting [lo, lo + len(a))."""
+    if native.available(a):
+        t0, offs = _offsets(bounds, lo, lo + a.numel())
+        t1 = t0 + len(offs) - 1
+        native.seg_axpby_(a, b, offs, mine[t0:t1], other[t0:t1])
+        return
     ids, spans = _spans(bounds, lo, lo + a.numel())
     if spans:
         _segment_axpby_(a, b, spans, [mine[i] for i in ids], [other[i] for i in ids])

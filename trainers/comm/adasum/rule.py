@@ -28,10 +28,19 @@ EPS = math.sqrt(sys.float_info.min)
 
 
 def _coefficients(dot: Tensor, na: Tensor, nb: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """Horovod's coefficients of ``a`` and ``b`` (float64); 1 where a squared norm is < eps."""
+    """Horovod's coefficients of ``a`` and ``b`` (float64); 1 where a squared norm is < eps
+    or 0 (``eps=0``: a zero side, which would otherwise divide 0 by 0)."""
     one = torch.ones_like(dot)
-    ca = torch.where(na >= eps, 1.0 - dot / na * 0.5, one)
-    cb = torch.where(nb >= eps, 1.0 - dot / nb * 0.5, one)
+    ca = torch.where((na >= eps) & (na > 0), 1.0 - dot / na * 0.5, one)
+    cb = torch.where((nb >= eps) & (nb > 0), 1.0 - dot / nb * 0.5, one)
+    return ca, cb
+
+
+def _coefficient_pair(dot: float, na: float, nb: float, eps: float) -> tuple[float, float]:
+    """:func:`_coefficients` of one tensor in Python floats: the same IEEE float64 operations
+    in the same order, so the same bits, without a tensor operation's overhead."""
+    ca = 1.0 - dot / na * 0.5 if na >= eps and na > 0.0 else 1.0
+    cb = 1.0 - dot / nb * 0.5 if nb >= eps and nb > 0.0 else 1.0
     return ca, cb
 
 
