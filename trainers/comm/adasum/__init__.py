@@ -50,8 +50,9 @@ Tensors are fused into buckets (``bucket_cap_mb``) per dtype and device, so thou
 small tensors cost a handful of messages. A bucket is one range of elements to the exchange,
 not one copy: large tensors are sent, combined and gathered in their own memory, the small
 ones packed into one buffer. fp32, fp64, fp16 and bf16 are supported; fp16 and bf16 travel
-as they are and combine in fp32 (dots and norms in fp64, on CPU in one fused pass compiled
-on first use, see :mod:`.kernels`).
+as they are and combine in fp32, dots and norms always in fp64. On CPU, fp32 and fp64 go
+through small C kernels compiled on first use (:mod:`.native`; the same bits on every
+instruction set), the others through torch kernels (:mod:`.kernels`).
 
 Two ways to use it with the :class:`~trainers.Trainer`, both through
 :class:`AdasumCombiner` (``--grad-combine adasum``, ``mode`` below):
@@ -70,7 +71,8 @@ linear scaling with the number of workers (Adasum of parallel updates is their m
 orthogonal ones their sum).
 
 Layout: :mod:`.rule` (the pairwise rule, the reference), :mod:`.kernels` (per-tensor dots and
-axpby on a slice of a fused buffer), :mod:`.allreduce` (plans, the tree, buckets),
+axpby on a slice of a fused buffer), :mod:`.native` (the same in C, for fp32 and fp64 on
+CPU), :mod:`.allreduce` (plans, the tree, buckets),
 :mod:`.combiners` (the registered combiner).
 """
 
