@@ -220,6 +220,8 @@ def world4(rank: int) -> dict:
         "in": inputs,
         "out": adasum_allreduce_([t.clone() for t in inputs], local_size=2),
     }
+    odd = random_tensors(rank, torch.float32, [*SHAPES, (3,)])  # shards end in padding
+    res["hier_odd"] = {"in": odd, "out": adasum_allreduce_([t.clone() for t in odd], local_size=2)}
     try:
         adasum_allreduce_([t.clone() for t in inputs], local_size=4)
         res["one_node_error"] = None

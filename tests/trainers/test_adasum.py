@@ -570,6 +570,7 @@ def test_hierarchical_is_adasum_over_node_means(ranks):
         return np_rule((xs[0] + xs[1]) / 2, (xs[2] + xs[3]) / 2)
 
     check_parity([r["hier"] for r in ranks[4]], reference, "fp32")
+    check_parity([r["hier_odd"] for r in ranks[4]], reference, "fp32")  # an odd total: padding
     assert "single node" in ranks[4][0]["one_node_error"]
 
 

@@ -203,6 +203,7 @@ def _spans(bounds: Sequence[int], lo: int, hi: int) -> tuple[list[int], list[tup
 def _offsets(bounds: Sequence[int], lo: int, hi: int) -> tuple[int, list[int]]:
     """The tensors ``t0, t0 + 1, ...`` whose ranges meet the global range [lo, hi) (empty
     ones between them included), as their boundaries relative to ``lo`` clipped to it."""
+    hi = min(hi, bounds[-1])  # a hierarchical shard may end in padding past the tensors
     if hi <= lo:
         return 0, [0]
     t0 = bisect.bisect_right(bounds, lo) - 1  # bounds[t0] <= lo < bounds[t0 + 1]
