@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from modelzoo import _native as native_loader
 from tests.trainers._trainer_toys import ToyDataset, eval_step, lr_fn, make_mlp, train_step
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
 from trainers.comm.adasum import AdasumCombiner, adasum_allreduce_
@@ -190,15 +191,21 @@ def kernel_paths(rank: int) -> dict:
         out = {}
         for kernels in ("native", "torch", "pieces"):  # pieces: native, 1000-element messages
             for early in (True, False):
-                saved = (native_module._LIB[:], adasum_module._EARLY_RULE, adasum_module._PIECE)
+                saved = (
+                    dict(native_loader._LOADED),
+                    adasum_module._EARLY_RULE,
+                    adasum_module._PIECE,
+                )
                 if kernels == "torch":
-                    native_module._LIB[:] = [None]
+                    native_loader._LOADED["adasum"] = None
                 adasum_module._EARLY_RULE = early
                 adasum_module._PIECE = 1000 if kernels == "pieces" else adasum_module._PIECE
                 try:
                     out[kernels, early] = list(adasum_allreduce_([t.clone() for t in inputs]))
                 finally:
-                    native_module._LIB[:], adasum_module._EARLY_RULE, adasum_module._PIECE = saved
+                    loaded, adasum_module._EARLY_RULE, adasum_module._PIECE = saved
+                    native_loader._LOADED.clear()
+                    native_loader._LOADED.update(loaded)
         results[name] = {"in": inputs, "out": out, "native": native_module.available(inputs[0])}
     return results
 

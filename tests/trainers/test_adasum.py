@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from modelzoo import _native as native_loader
 from tests.trainers._trainer_toys import ToyDataset, lr_fn, make_mlp, train_step
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
 from trainers.cli import add_distributed_args, add_optimizer_args, build_combiner, build_optimizer
@@ -270,11 +271,11 @@ def test_a_zero_side_with_no_guard_gives_the_other_side():
 
 
 def test_c_kernels_fall_back_without_a_compiler(monkeypatch):
-    monkeypatch.setattr(adasum_native, "_LIB", [])
-    monkeypatch.setattr(adasum_native.shutil, "which", lambda name: None)
+    monkeypatch.setattr(native_loader, "_LOADED", {})
+    monkeypatch.setattr(native_loader.shutil, "which", lambda name: None)
     with pytest.warns(RuntimeWarning, match="need a C compiler"):
         assert not adasum_native.available(torch.zeros(3))
-    monkeypatch.setattr(adasum_native, "_LIB", [])
+    monkeypatch.setattr(native_loader, "_LOADED", {})
     monkeypatch.setenv("MODELZOO_ADASUM_NATIVE", "0")
     assert not adasum_native.available(torch.zeros(3))
     # without them the allreduce's kernels are the torch ones: the in-process rule is kept

@@ -14,9 +14,8 @@ These kernels take a whole run of consecutive spans (one memory segment) per cal
 * ``seg_axpby``: per span, ``x = p[s] x + q[s] y``, computed in float64 and rounded once
   (Horovod's choice).
 
-The library is compiled on first use with the system C compiler (``$CC``, else ``cc``/``gcc``)
-into a private temporary directory, a fraction of a second; the same requirement as
-TorchInductor's CPU backend. Without a compiler, or with ``MODELZOO_ADASUM_NATIVE=0``, it is
+The library is compiled on first use with the system C compiler (:mod:`modelzoo._native`),
+a fraction of a second. Without a compiler, or with ``MODELZOO_ADASUM_NATIVE=0``, it is
 unavailable (warned once) and the callers use the torch kernels in :mod:`.kernels`. Only
 float32 and float64 tensors on CPU take this path.
 """
@@ -24,15 +23,12 @@ float32 and float64 tensors on CPU take this path.
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
-import tempfile
-import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from modelzoo._native import load
 
 __all__ = ["available", "seg_axpby_", "seg_dots_"]
 
@@ -92,53 +88,18 @@ AXPBY(seg_axpby_f32, float, load_f32, store_f32)
 AXPBY(seg_axpby_f64, double, load_f64, store_f64)
 """
 
-_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
-_LIB: list[ctypes.CDLL | None] = []  # made on first use
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
-
-
-def _compile() -> ctypes.CDLL | None:
-    if os.environ.get("MODELZOO_ADASUM_NATIVE", "1") == "0":
-        return None
-    cc = next(
-        (p for p in (os.environ.get("CC"), "cc", "gcc", "clang") if p and shutil.which(p)), None
-    )
-    if cc is None:
-        warnings.warn(
-            "Adasum's C kernels need a C compiler ($CC, cc, gcc or clang), none was found; "
-            "using the torch kernels instead",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        return None
-    with tempfile.TemporaryDirectory(prefix="modelzoo-adasum-") as tmp:
-        src, lib = os.path.join(tmp, "adasum.c"), os.path.join(tmp, "adasum.so")
-        with open(src, "w") as f:
-            f.write(_SOURCE)
-        flags = [*_FLAGS, "-march=native"]
-        done = subprocess.run([cc, *flags, src, "-o", lib], capture_output=True, text=True)
-        if done.returncode != 0:  # a compiler without -march=native (some clang targets)
-            done = subprocess.run([cc, *_FLAGS, src, "-o", lib], capture_output=True, text=True)
-        if done.returncode != 0:
-            warnings.warn(
-                f"Adasum's C kernels did not compile with {cc} ({done.stderr.strip()[:300]}); "
-                "using the torch kernels instead",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            return None
-        handle = ctypes.CDLL(lib)  # loaded: the file may go
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    for suffix in _SUFFIX.values():
-        getattr(handle, f"seg_dots_{suffix}").argtypes = [p, p, p, i64, p]
-        getattr(handle, f"seg_axpby_{suffix}").argtypes = [p, p, p, i64, p, p]
-    return handle
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    **{f"seg_dots_{s}": (_P, _P, _P, _I64, _P) for s in _SUFFIX.values()},
+    **{f"seg_axpby_{s}": (_P, _P, _P, _I64, _P, _P) for s in _SUFFIX.values()},
+}
 
 
 def _lib() -> ctypes.CDLL | None:
-    if not _LIB:
-        _LIB.append(_compile())
-    return _LIB[0]
+    return load(
+        "adasum", _SOURCE, _SIGNATURES, switch="MODELZOO_ADASUM_NATIVE", what="Adasum's dots"
+    )
 
 
 def available(x: Tensor) -> bool:
