@@ -162,7 +162,20 @@ def make_header(
     }
     if configs:
         header["configs"] = configs_record(**configs)
+    network = _lab_network()
+    if network is not None:
+        header["network"] = network
     return header
+
+
+def _lab_network() -> dict[str, Any] | None:
+    """The lab network a job ran on (``python -m trainers.netlab run`` sets the variables):
+    node count and each node's cap. ``None`` outside a lab."""
+    nodes = os.environ.get("MODELZOO_NETLAB_NODES")
+    if not nodes:
+        return None
+    caps = os.environ.get("MODELZOO_NETLAB_CAPS", "")
+    return {"netlab": True, "nodes": int(nodes), "caps": caps.split(",") if caps else []}
 
 
 # -- progress bar -----------------------------------------------------------------------------

@@ -1,0 +1,35 @@
+"""The lab network: rehearse a multi-node job on one Linux machine.
+
+:class:`Lab` builds N nodes as network namespaces joined by a bridge, with bandwidth caps
+and partitions; :func:`run_job` starts one torchrun agent per node and counts the bytes each
+node's cable carried. ``python -m trainers.netlab {up,down,status,run}`` is the command line.
+See docs/netlab.md.
+"""
+
+from .lab import (
+    LAB_NETWORK,
+    PREFIX,
+    Lab,
+    LabError,
+    NodeCounters,
+    burst_bytes,
+    list_labs,
+    missing_requirements,
+    node_address,
+    parse_rate,
+    remove_labs,
+)
+
+__all__ = [
+    "LAB_NETWORK",
+    "PREFIX",
+    "Lab",
+    "LabError",
+    "NodeCounters",
+    "burst_bytes",
+    "list_labs",
+    "missing_requirements",
+    "node_address",
+    "parse_rate",
+    "remove_labs",
+]
