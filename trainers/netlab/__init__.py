@@ -6,6 +6,7 @@ node's cable carried. ``python -m trainers.netlab {up,down,status,run}`` is the 
 See docs/netlab.md.
 """
 
+from .job import JobResult, Partition, run_job, start_ranks
 from .lab import (
     LAB_NETWORK,
     PREFIX,
@@ -21,6 +22,10 @@ from .lab import (
 )
 
 __all__ = [
+    "JobResult",
+    "Partition",
+    "run_job",
+    "start_ranks",
     "LAB_NETWORK",
     "PREFIX",
     "Lab",

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .lab import Lab, LabError, _kill_in
 
-__all__ = ["CONTROL_ADDRESS", "JobResult", "Partition", "run_job"]
+__all__ = ["CONTROL_ADDRESS", "JobResult", "Partition", "run_job", "start_ranks"]
 
 CONTROL_ADDRESS = "198.18.0.1"  # the bridge's address in the switch namespace: the store host
 RDZV_PORT = 29400
@@ -323,3 +323,37 @@ def _wait_for_port(lab: Lab, host: str, port: int, timeout: float) -> None:
                    timeout=timeout + 10, check=False)  # fmt: skip
     if done.returncode != 0:
         raise LabError(f"the rendezvous store on {host}:{port} did not come up in {timeout:.0f} s")
+
+
+def start_ranks(
+    lab: Lab,
+    argv: Sequence[str],
+    *,
+    nproc_per_node: int = 1,
+    port: int = 29500,
+    threads: int = 1,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    **popen_kwargs,
+) -> list[subprocess.Popen]:
+    """Start ``argv`` (e.g. ``[python, "-m", "pkg.worker", ...]``) as ranks across the lab
+    without torchrun (about 2.5 s instead of 6-40 s per job): ``nproc_per_node`` ranks on
+    each node, rank ``node * nproc_per_node + local``, torchrun's variables set, the default
+    process group's store on node 0's address. The caller waits for the processes."""
+    base = dict(os.environ if env is None else env)
+    repo_path = str(Path(__file__).resolve().parents[2])
+    base["PYTHONPATH"] = repo_path + (os.pathsep + base["PYTHONPATH"] if base.get("PYTHONPATH")
+                                      else "")  # fmt: skip
+    world = lab.nodes * nproc_per_node
+    procs = []
+    for node in range(lab.nodes):
+        for local in range(nproc_per_node):
+            rank_env = lab.node_env(node, base)
+            rank_env.update(
+                RANK=str(node * nproc_per_node + local), LOCAL_RANK=str(local),
+                WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc_per_node),
+                GROUP_RANK=str(node), MASTER_ADDR=lab.address(0), MASTER_PORT=str(port),
+                OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+            )  # fmt: skip
+            procs.append(lab.popen(node, list(argv), env=rank_env, cwd=cwd, **popen_kwargs))
+    return procs

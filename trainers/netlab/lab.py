@@ -98,8 +98,9 @@ def format_rate(bits_per_second: float) -> str:
 
 
 def burst_bytes(bits_per_second: int) -> int:
-    """The tbf bucket: at least 4 ms of data at the rate and at least one 64 KiB GSO packet."""
-    return max(64 * 1024, int(bits_per_second / 8 * 0.004))
+    """The tbf bucket: at least 4 ms of data at the rate and at least one 64 KiB GSO packet,
+    plus 2 KiB because the kernel keeps the bucket in clock ticks and rounds it down."""
+    return max(64 * 1024, int(bits_per_second / 8 * 0.004)) + 2048
 
 
 def node_address(node: int) -> str:
