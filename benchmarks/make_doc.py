@@ -28,7 +28,8 @@ BEGIN = "<!-- results: python benchmarks/make_doc.py -->"
 END = "<!-- /results -->"
 
 # Every benchmark with a peer, in the table's order (the checks without a peer,
-# bench_elastic, whatif_check and plan_check, report errors, not ratios).
+# bench_elastic, whatif_check and plan_check, report errors, not ratios; bench_network's
+# peer is the ring all-reduce's floor, the physics of the capped links, and it needs root).
 BENCHMARKS = (
     "bench_trainer",
     "bench_data",
@@ -37,6 +38,7 @@ BENCHMARKS = (
     "bench_bert",
     "bench_gnn",
     "bench_linear",
+    "bench_network",
 )
 FIELDS = ("benchmark", "ours", "peer", "unit", "ours_rounds", "peer_rounds", "ratio", "target",
           "machine", "date")  # fmt: skip

@@ -1,12 +1,19 @@
-"""benchmarks/gpu_check.py keeps working where no GPU is: its parts at toy sizes on the CPU.
+"""Benchmarks that need what a machine may lack (a GPU, root) keep working: toy runs, refusals.
 
-The figures of a CPU run mean nothing; what is checked is that every part runs, the JSON and
-the doc section hold each one, an existing doc keeps its other text, and the Adasum rule on
-the device agrees with the float64 rule (float32 rounding, < 1e-6 relative)."""
+benchmarks/gpu_check.py where no GPU is: its parts at toy sizes on the CPU. The figures of a
+CPU run mean nothing; what is checked is that every part runs, the JSON and the doc section
+hold each one, an existing doc keeps its other text, and the Adasum rule on the device agrees
+with the float64 rule (float32 rounding, < 1e-6 relative).
+
+benchmarks/bench_network.py: one toy setting on the lab network where namespaces can be made
+(the ring's bytes per node are the oracle for the counters), a one-line refusal elsewhere."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +56,62 @@ def test_gpu_check_without_a_gpu_says_so():
     done = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 1 and "no CUDA device here" in done.stderr
+
+
+NETWORK = ROOT / "benchmarks" / "bench_network.py"
+
+
+def _netlab_why() -> str | None:
+    from trainers.netlab import missing_requirements
+
+    return missing_requirements()
+
+
+def test_bench_network_without_the_capabilities_refuses_in_one_line():
+    drop = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--inh-caps=-all"]
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv: cannot drop the capabilities")
+    done = subprocess.run(
+        [*(drop if os.geteuid() == 0 else []), sys.executable, str(NETWORK)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "bench_network: needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN missing): run it as root, "
+        "e.g. with sudo"
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.netlab
+def test_bench_network_on_two_lab_nodes_writes_a_result_make_doc_reads(tmp_path):
+    """A toy setting (2 MB at 1 Gbit, 2 nodes): the run ends with ``ratio=``, its JSON passes
+    make_doc's checks, the bytes on each cable are the ring's (the formula is the oracle) and
+    no lab is left behind."""
+    why = _netlab_why()
+    if why:
+        pytest.skip(f"netlab: {why}")
+    from trainers.netlab import list_labs
+
+    out = tmp_path / "bench_network.json"
+    done = subprocess.run(
+        [sys.executable, str(NETWORK), "--nodes", "2", "--caps", "1gbit", "--megabytes", "2",
+         "--timeout", "240", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1].startswith("ratio=")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_doc", ROOT / "benchmarks" / "make_doc.py")
+    make_doc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_doc)
+    res = make_doc.load(out)
+    assert len(res["ours_rounds"]) == 5 and set(res["peer_rounds"]) == {0.016}  # 2 MB / 125 MB/s
+    head = res["extra"]["headline"]
+    assert head["ring_bytes_per_node"] == 2e6
+    for sent in head["sent_bytes_per_node"]:  # the payload plus headers, barriers, timing
+        assert 2e6 <= sent < 2e6 * 1.05, head
+    assert not [name for name in list_labs() if re.fullmatch(r"bn\d+s\d+", name)]
