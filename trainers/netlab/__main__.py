@@ -134,7 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_shape(up)
     up.add_argument("--name", default="lab", help="lab name (default 'lab')")
     down = sub.add_parser("down", help="stop the processes in a lab and remove it")
-    down.add_argument("--name", default=None, help="lab to remove (default: every lab)")
+    which = down.add_mutually_exclusive_group(required=True)
+    which.add_argument("--name", default=None, help="the lab to remove")
+    which.add_argument("--all", action="store_true", help="every lab on this machine (mzlab-*)")
     status = sub.add_parser("status", help="nodes, addresses, caps, links, bytes of the labs here")
     status.add_argument("--name", default=None, help="one lab (default: every lab)")
     status.add_argument("--json", action="store_true", help="print JSON")
@@ -255,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"python -m trainers.netlab down --name {lab.name}")  # fmt: skip
             return 0
         if args.verb == "down":
-            removed = _remove_labs(args.name)
+            removed = _remove_labs(None if args.all else args.name)
             print(
                 f"removed {len(removed)} namespaces" + (f": {' '.join(removed)}" if removed else "")
             )

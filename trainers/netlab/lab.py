@@ -44,6 +44,7 @@ __all__ = [
     "LabExists",
     "NodeCounters",
     "burst_bytes",
+    "format_rate",
     "list_labs",
     "missing_requirements",
     "node_address",
