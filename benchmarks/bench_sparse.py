@@ -21,25 +21,51 @@ non-zeros, ``auto``'s choice, and ``ratio=<peer_allgather median / auto median>`
 peers then also waits ``bytes / (G / 8)`` seconds, and ``auto`` gets a :class:`CostModel` with
 that bandwidth -- the regime SparCML is for, which loopback on one machine is not.
 
+``--netlab CAP`` runs the ranks on a lab network instead (:mod:`trainers.netlab`: one rank per
+node namespace, ``--worlds`` nodes, every node's link capped at ``CAP`` both ways, real TCP
+through the caps, no injected delay) and gives ``auto`` a :class:`CostModel` whose bandwidth is
+the cap's TCP payload rate (``CAP x 1448 / 1514``: a 1514-byte frame at MTU 1500 carries 1448
+bytes of payload) and whose other constants are the defaults (fitted on loopback, never on the
+lab; ``--latency-us`` replaces the per-message latency). For each setting it then prints, per
+algorithm, the measured median, the cost model's prediction (:func:`estimate_costs` on the
+setting's true lengths and sum size) and the relative error; the formula's and ``auto``'s pick
+against the measured fastest; whether each sparse algorithm beats the all-gather where the
+formula says it does; the bytes each node's interface sent in each method's first call against
+what the algorithm reports; and ``max_rel_error=<...>`` last. The ranks are started by
+:func:`trainers.netlab.start_ranks` as ``python benchmarks/bench_sparse.py --worker FILE``,
+which reads torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+
 Usage: python benchmarks/bench_sparse.py [--worlds 2,4,8] [--densities 0.001,0.01,0.1]
            [--numel 4194304] [--overlap 0.5] [--rounds 5] [--json out.json] [--link-gbps G]
+       python benchmarks/bench_sparse.py --netlab 100mbit --worlds 4,8 [--latency-us U]
+           [--timeout 1200] [--json benchmarks/results/netlab/bench_sparse_netlab_100mbit.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
 import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _report import check_rounds, machine_line
+from _report import check_rounds, machine, machine_line
 
-from trainers.comm.sparse import (
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from trainers.comm.sparse import (  # noqa: E402
     ALGORITHMS,
     CostModel,
     estimate_costs,
@@ -49,6 +75,8 @@ from trainers.comm.sparse import (
 
 OURS = ("auto", "recursive_doubling", "split_allgather", "allgather", "dense")
 PEERS = ("peer_allgather", "peer_dense")
+TCP_PAYLOAD = 1448 / 1514  # TCP payload of a 1514-byte Ethernet frame at MTU 1500 (timestamps on)
+SPARSE = ("recursive_doubling", "split_allgather")
 
 
 LINK = {"bytes_per_sec": None}  # --link-gbps: the injected link, for ours and the peers alike
@@ -100,15 +128,17 @@ def peer_dense(idx: torch.Tensor, val: torch.Tensor, numel: int) -> tuple[torch.
 
 
 def supports(numel: int, k: int, overlap: float, rank: int, setting: int) -> torch.Tensor:
+    """``k`` sorted indices, uniform over ``[0, numel)``: ``round(overlap k)`` from a set every
+    rank shares, the rest this rank's own draw outside that set."""
     shared = torch.Generator().manual_seed(10_000 + setting)
     own = torch.Generator().manual_seed(20_000 + 100 * setting + rank)
-    n_shared = round(overlap * k)
+    n_shared = min(k, round(overlap * k))
     common = torch.randperm(numel, generator=shared)[:n_shared]
-    mine = torch.randperm(numel, generator=own)[: 2 * k]
-    idx = torch.unique(torch.cat([common, mine]))[:k] if n_shared < k else torch.unique(common)
-    while idx.numel() < k:  # the own draw collided with the shared set: top up
-        idx = torch.unique(torch.cat([idx, torch.randperm(numel, generator=own)[:k]]))[:k]
-    return torch.sort(idx).values
+    taken = torch.zeros(numel, dtype=torch.bool)
+    taken[common] = True
+    draw = torch.randperm(numel, generator=own)
+    mine = draw[~taken[draw]][: k - n_shared]  # a random subset, not the smallest indices
+    return torch.sort(torch.cat([common, mine])).values
 
 
 def timed(fn) -> tuple[float, object]:
@@ -120,14 +150,35 @@ def timed(fn) -> tuple[float, object]:
     return float(elapsed), out
 
 
-def run_world(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    cost = None
-    if args.link_gbps:
-        inject_link(args.link_gbps)
-        cost = CostModel(bandwidth=args.link_gbps * 1e9 / 8)  # auto is told the link
+def interface_tx_bytes(ifname: str = "eth0") -> int | None:
+    """Bytes this process's network namespace sent through ``ifname`` (``/proc/net/dev``, which
+    shows the reader's namespace); ``None`` where there is no such interface (loopback mode)."""
+    try:
+        with open("/proc/net/dev", encoding="ascii") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == ifname:
+                    return int(rest.split()[8])
+    except OSError:
+        return None
+    return None
+
+
+def tcp_retransmits() -> int | None:
+    """TCP segments this process's network namespace retransmitted (``/proc/net/snmp``)."""
+    try:
+        with open("/proc/net/snmp", encoding="ascii") as f:
+            tcp = [line.split() for line in f if line.startswith("Tcp:")]
+        return int(dict(zip(tcp[0][1:], tcp[1][1:], strict=True))["RetransSegs"])
+    except (OSError, IndexError, KeyError, ValueError):
+        return None
+
+
+def bench(rank: int, world: int, args: argparse.Namespace, cost: CostModel | None) -> list[dict]:
+    """Every setting of ``args.densities`` on the initialized default group; rank 0's rows
+    (the others' are ``[]``). ``wire_bytes``: per method, the bytes each rank's interface sent
+    in the method's first call (one barrier after it, so everything sent has left), where the
+    rank runs on a lab node."""
     rows = []
     for s, density in enumerate(args.densities):
         k = max(1, round(density * args.numel))
@@ -148,8 +199,14 @@ def run_world(rank: int, world: int, port: int, args: argparse.Namespace, queue)
         names = list(methods)
         times: dict[str, list[float]] = {n: [] for n in names}
         info: dict[str, dict] = {}
+        wire: dict[str, int | None] = {}
         for name in names:  # warm-up, and the check that every method gives the same sum
+            dist.barrier()
+            tx = interface_tx_bytes()
             _, out = timed(methods[name])
+            dist.barrier()  # every byte of the call has crossed the wire
+            after = interface_tx_bytes()
+            wire[name] = None if tx is None or after is None else after - tx
             dense = out.to_dense() if hasattr(out, "to_dense") else out[0]
             info[name] = {
                 "bytes": out.bytes_sent if hasattr(out, "bytes_sent") else out[1],
@@ -162,18 +219,193 @@ def run_world(rank: int, world: int, port: int, args: argparse.Namespace, queue)
                 union = int(torch.count_nonzero(dense))
             else:
                 info[name]["max_abs_diff"] = float((dense - reference).abs().max())
+        retrans: dict[str, int] = dict.fromkeys(names, 0)
         for r in range(args.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
+                before = tcp_retransmits()
                 times[name].append(timed(methods[name])[0])
+                after = tcp_retransmits()
+                if before is not None and after is not None:
+                    retrans[name] += after - before
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, {"wire": wire, "retrans": retrans,
+                                          "bytes": {n: info[n]["bytes"] for n in names}})  # fmt: skip
         if rank == 0:
             rows.append({"world": world, "numel": args.numel, "density": density, "k": k,
                          "overlap": args.overlap, "union": union, "info": info,
-                         "times": times, "link_gbps": args.link_gbps})  # fmt: skip
+                         "times": times, "link_gbps": args.link_gbps,
+                         "netlab": getattr(args, "netlab", None),
+                         "wire_bytes": [g["wire"] for g in gathered],
+                         "tcp_retransmits": [g["retrans"] for g in gathered],
+                         "reported_bytes": [g["bytes"] for g in gathered]})  # fmt: skip
+    return rows
+
+
+def run_world(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cost = None
+    if args.link_gbps:
+        inject_link(args.link_gbps)
+        cost = CostModel(bandwidth=args.link_gbps * 1e9 / 8)  # auto is told the link
+    rows = bench(rank, world, args, cost)
     if rank == 0:
         queue.put(rows)
     dist.barrier()  # no rank leaves while a peer still talks to it
     dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ the lab network
+def lab_cost(cap_bits: int, latency_us: float | None = None) -> CostModel:
+    """``auto``'s cost model on a lab link capped at ``cap_bits``: the bandwidth is the cap's
+    TCP payload rate; latency (unless given), merge, scan and swap are :class:`CostModel`'s
+    defaults, measured on loopback (the lab has no propagation delay: a message costs the same
+    software time as on loopback)."""
+    base = CostModel()
+    latency = base.latency if latency_us is None else latency_us * 1e-6
+    return CostModel(latency=latency, bandwidth=cap_bits * TCP_PAYLOAD / 8)
+
+
+def worker(config: Path) -> None:
+    """One rank on a lab node (``--worker FILE``), started by :func:`trainers.netlab.start_ranks`
+    or torchrun: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` from the
+    environment; the run's settings from ``FILE``; rank 0 writes the rows to its ``"out"``."""
+    conf = json.loads(config.read_text())
+    args = argparse.Namespace(**conf["args"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=conf["gloo_timeout"]))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cost = CostModel(**conf["cost"]) if conf.get("cost") else None
+    rows = bench(rank, world, args, cost)
+    if rank == 0:
+        Path(conf["out"]).write_text(json.dumps(rows))
+    dist.barrier()  # no rank leaves while a peer still talks to it
+    dist.destroy_process_group()
+
+
+def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> bool:
+    """Wait for the ranks; stop them all once one fails (its peers would wait for it until
+    gloo's timeout) or ``timeout`` seconds pass. ``False``: the time ran out."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline or any(p.returncode for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                p.wait()
+            return time.monotonic() <= deadline
+        time.sleep(0.2)
+    return True
+
+
+def run_on_lab(world: int, cap: str, args: argparse.Namespace, cost: CostModel) -> list[dict]:
+    """``world`` ranks of :func:`worker`, one per node of a fresh lab capped at ``cap``; the
+    lab is removed however the run ends, and the run is stopped after ``args.timeout`` s."""
+    from trainers.netlab import Lab, start_ranks  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="bench_sparse_lab_") as tmp:
+        config, out, log = Path(tmp, "config.json"), Path(tmp, "rows.json"), Path(tmp, "ranks.log")
+        settings = {k: v for k, v in vars(args).items() if k != "json"}
+        config.write_text(json.dumps({"args": settings, "out": str(out),
+                                      "cost": dataclasses.asdict(cost),
+                                      "gloo_timeout": max(60, args.timeout // 2)}))  # fmt: skip
+        name = f"sp{os.getpid() % 10**6}n{world}"
+        with Lab(world, bandwidth=cap, name=name) as lab, open(log, "w") as logf:
+            before = lab.all_counters()
+            procs = start_ranks(lab, [sys.executable, str(Path(__file__).resolve()), "--worker",
+                                      str(config)], port=29500, cwd=ROOT, stdout=logf,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+            if not wait_ranks(procs, args.timeout):
+                raise SystemExit(f"bench_sparse: the {world}-node lab run passed --timeout "
+                                 f"{args.timeout} s; ranks' output:\n{log.read_text()[-3000:]}")  # fmt: skip
+            total = [(a - b).tx_bytes for a, b in zip(lab.all_counters(), before, strict=True)]
+        if any(p.returncode for p in procs):
+            raise SystemExit(f"bench_sparse: lab ranks exited with {[p.returncode for p in procs]}"
+                             f":\n{log.read_text()[-5000:]}")  # fmt: skip
+        rows = json.loads(out.read_text())
+    for row in rows:
+        row["job_tx_bytes"] = total  # the whole job: bootstrap, warm-up, rounds, barriers
+    return rows
+
+
+def lab_report(rows: list[dict], cost: CostModel) -> dict:
+    """Per setting: measured median and predicted time of each algorithm, relative errors,
+    the formula's, ``auto``'s and the measured pick, and where each sparse algorithm beats the
+    all-gather (measured, and by the formula); returns the summary (``max_rel_error``)."""
+    worst, agree, where = 0.0, 0, []
+    for row in rows:
+        counts = [row["k"]] * row["world"]
+        est = estimate_costs(counts, row["numel"], 4, cost=cost, union=row["union"])
+        med = {n: statistics.median(row["times"][n]) for n in row["times"]}
+        rel = {n: (est[n] - med[n]) / med[n] for n in ALGORITHMS}
+        predicted = min(ALGORITHMS, key=lambda n: est[n])
+        fastest = min(ALGORITHMS, key=lambda n: med[n])
+        beats = {a: {"measured": med[a] < med["allgather"], "formula": est[a] < est["allgather"],
+                     "measured_vs_peer": med[a] < med["peer_allgather"]} for a in SPARSE}  # fmt: skip
+        row.update(predicted_s=est, median_s=med, rel_error=rel, formula_pick=predicted,
+                   measured_fastest=fastest, beats_allgather=beats)  # fmt: skip
+        worst = max(worst, *(abs(e) for e in rel.values()))
+        agree += predicted == fastest
+        where += [b["measured"] == b["formula"] for b in beats.values()]
+        print(f"\n{row['world']} lab nodes at {row['netlab']}, density {row['density']:.3%} "
+              f"(k={row['k']}), sum non-zeros {row['union']}")  # fmt: skip
+        print(f"  {'algorithm':19s} {'measured':>9s} {'predicted':>9s} {'error':>7s}  "
+              f"{'reported MB':>11s} {'wire MB (per node)':>18s} {'wire/reported':>13s} {'retx':>6s}")  # fmt: skip
+        for name in (*OURS, *PEERS):
+            reported = [b[name] for b in row["reported_bytes"]]
+            wire = [w[name] for w in row["wire_bytes"]]
+            ratio = (sum(wire) / sum(reported)) if None not in wire and sum(reported) else None
+            p = f"{est[name] * 1e3:9.1f}" if name in est else f"{'':9s}"
+            e = f"{rel[name]:+7.1%}" if name in rel else f"{'':7s}"
+            w = "n/a" if None in wire else f"{min(wire) / 1e6:.3f}-{max(wire) / 1e6:.3f}"
+            r = f"{ratio:13.3f}" if ratio else f"{'':13s}"
+            retx = sum(t[name] for t in row.get("tcp_retransmits", []))
+            chosen = f" -> {row['info']['auto']['algorithm']}" if name == "auto" else ""
+            print(f"  {name:19s} {med[name] * 1e3:9.1f} {p} {e}  "
+                  f"{statistics.median(reported) / 1e6:11.3f} {w:>18s} {r} {retx:6d}{chosen}")  # fmt: skip
+        print(f"  formula picks {predicted}, auto ran {row['info']['auto']['algorithm']}, "
+              f"measured fastest {fastest}")  # fmt: skip
+        for a, b in beats.items():
+            print(f"  {a} beats the all-gather: measured {b['measured']}, formula {b['formula']}"
+                  f" ({'agree' if b['measured'] == b['formula'] else 'DISAGREE'}); beats the "
+                  f"peer all-gather: {b['measured_vs_peer']}")  # fmt: skip
+    summary = {"max_rel_error": worst, "formula_agrees": agree, "settings": len(rows),
+               "beats_where_formula_says": sum(where), "beats_checks": len(where)}  # fmt: skip
+    print(f"\nformula's pick = measured fastest in {agree}/{len(rows)} settings; sparse beats "
+          f"the all-gather exactly where the formula says in {sum(where)}/{len(where)} checks")  # fmt: skip
+    return summary
+
+
+def main_netlab(args: argparse.Namespace) -> None:
+    from trainers.netlab import missing_requirements, parse_rate  # noqa: PLC0415
+
+    why = missing_requirements()
+    if why:
+        print(f"bench_sparse --netlab: {why}", file=sys.stderr)
+        raise SystemExit(2)
+    cost = lab_cost(parse_rate(args.netlab), args.latency_us)
+    print(machine_line())
+    print(f"lab network: one rank per node, {args.netlab} each way per node, gloo over TCP; "
+          f"auto's CostModel(latency={cost.latency:g} s, bandwidth={cost.bandwidth:.4g} B/s "
+          f"= {args.netlab} x 1448/1514 / 8, merge={cost.merge:g}, scan={cost.scan:g}, "
+          f"swap={cost.swap:g})")  # fmt: skip
+    rows = []
+    for world in [int(w) for w in args.worlds.split(",")]:
+        rows += run_on_lab(world, args.netlab, args, cost)
+    summary = lab_report(rows, cost)
+    if args.json:
+        from _report import write_json  # noqa: PLC0415
+
+        write_json(args.json, {"benchmark": "bench_sparse", "netlab": args.netlab,
+                               "command": [Path(sys.argv[0]).as_posix(), *sys.argv[1:]],
+                               "cost_model": dataclasses.asdict(cost),
+                               "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+                               **summary, "rows": rows})  # fmt: skip
+        print(f"wrote {args.json}")
+    print(f"max_rel_error={summary['max_rel_error']:.3f}")
 
 
 def main() -> None:
@@ -187,9 +419,33 @@ def main() -> None:
     parser.add_argument("--link-gbps", type=float, default=None,
                         help="inject a link: every message also waits bytes / (Gbps/8), for "
                         "ours and the peers alike; auto is given a CostModel with it")  # fmt: skip
+    parser.add_argument("--netlab", default=None, metavar="CAP",
+                        help="run the ranks on a lab network, one per node, links capped at "
+                        "CAP (e.g. 100mbit, 1gbit) both ways; needs root (docs/netlab.md)")  # fmt: skip
+    parser.add_argument(
+        "--latency-us",
+        type=float,
+        default=None,
+        help="--netlab: auto's per-message latency (default: CostModel's)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=int,
+        default=1800,
+        help="--netlab: seconds one lab run may take before it is stopped",
+    )
+    parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        worker(args.worker)
+        return
     check_rounds(args.rounds)
     args.densities = [float(x) for x in args.densities.split(",")]
+    if args.netlab:
+        if args.link_gbps:
+            parser.error("--netlab runs on a real link: leave out --link-gbps")
+        main_netlab(args)
+        return
     print(machine_line())
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, one thread per process, "
           f"gloo on 127.0.0.1")  # fmt: skip

@@ -21,19 +21,35 @@ For each world size (default 2 and 4 processes on 127.0.0.1, one thread each) an
 Prints one line per plan, predicted vs measured (min / median / max) and the relative error
 of the prediction against the median (and against the fastest round), then ``max_rel_error=<...>`` last.
 
+``--netlab CAP`` runs the ranks on a lab network instead (:mod:`trainers.netlab`: one rank per
+node namespace, ``--worlds`` nodes, every node's link capped at ``CAP`` both ways): step 1 is
+then skipped and the planner's network is one level described by the cap alone -- ``CAP x
+1448 / 1514`` (the TCP payload of a 1514-byte frame at MTU 1500) and ``--latency-us`` per
+message (default :data:`LAB_LATENCY_US`, this machine's per-message cost on loopback: the lab
+adds no propagation delay) -- nothing measured on the lab. Each plan's line also gives the
+network's part of the prediction (the prediction minus the same plan's on an infinitely fast
+network) and the bytes every node's interface sent per step. The ranks are started by
+:func:`trainers.netlab.start_ranks` as ``python benchmarks/plan_check.py --worker FILE``, which
+reads torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+
 Usage: python benchmarks/plan_check.py [--worlds 2,4] [--rounds 5] [--json out.json]
+       python benchmarks/plan_check.py --netlab 100mbit [--worlds 2,4] [--latency-us U]
+           [--timeout 3600] [--json benchmarks/results/netlab/plan_check_netlab_100mbit.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import math
 import os
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -56,9 +72,15 @@ from trainers.parallel.plan import (  # noqa: E402
     Plan,
     Profile,
     plan,
+    predict_step_time,
     profile_model,
 )
 
+TCP_PAYLOAD = 1448 / 1514  # TCP payload of a 1514-byte Ethernet frame at MTU 1500 (timestamps on)
+#: the lab's per-message latency (s): the median of the per-message costs calibrated on loopback
+#: on this machine (docs/model_parallel.md's plan_check table, 9 plans: 626-1557 us); the lab
+#: adds no propagation delay, so a message costs the same software time there
+LAB_LATENCY_US = 919.0
 CONFIGS = {  # (tp, pp, dp) per world size
     2: [(1, 1, 2), (2, 1, 1), (1, 2, 1)],
     4: [(1, 1, 4), (2, 1, 2), (4, 1, 1), (1, 2, 2), (1, 4, 1), (2, 2, 1)],
@@ -221,15 +243,33 @@ def time_rounds(step, rounds: int, warmup: int) -> list[float]:
     return times
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def interface_tx_bytes(ifname: str = "eth0") -> int | None:
+    """Bytes this process's network namespace sent through ``ifname`` (``/proc/net/dev``);
+    ``None`` where there is no such interface (loopback)."""
+    try:
+        with open("/proc/net/dev", encoding="ascii") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == ifname:
+                    return int(rest.split()[8])
+    except OSError:
+        return None
+    return None
+
+
+def measure(rank: int, world: int, args: argparse.Namespace, network: Network | None) -> list:
+    """Every configuration of ``world`` on the initialized default group: profile, plan, run;
+    rank 0's rows (the others' are ``[]``). ``network``: the planner's network (``None``:
+    calibrate the loopback link before each plan)."""
     rows = []
     for tp, pp, dp in CONFIGS[world]:
         # link and profile just before the run, so that both see the load the run sees
-        gbps, latency = calibrate(world)
-        network = Network.parse(f"{world}:{gbps:.6g}:{latency:.6g}")
+        if network is None:
+            gbps, latency = calibrate(world)
+            net = Network.parse(f"{world}:{gbps:.6g}:{latency:.6g}")
+        else:
+            net = network
+            gbps, latency = net.levels[0].gbps, net.levels[0].latency_s
         torch.manual_seed(0)
         model = BertForQuestionAnswering(bert_config(args))
         own = profile_model(model, seq_len=args.seq_len, batch=args.profile_batch, repeats=5,
@@ -238,21 +278,105 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
         dist.all_gather_object(gathered, own.to_dict())
         profile = median_profile([Profile.from_dict(d) for d in gathered])
         best = plan(
-            profile, network, global_batch=args.global_batch, memory_bytes=math.inf,
+            profile, net, global_batch=args.global_batch, memory_bytes=math.inf,
             tensor_parallel=[tp], pipeline_parallel=[pp], max_tp=world, max_pp=world,
         )  # fmt: skip
         if best.data_parallel != dp:
             raise RuntimeError(f"planned dp {best.data_parallel}, expected {dp}")
-        row: dict[str, Any] = {"world": world, "network": str(network), "gbps": gbps,
+        # the same plan on an infinitely fast network: the prediction's compute part
+        fast = Network.parse(f"{world}:1e12:0")
+        compute = predict_step_time(profile, fast, best.config, global_batch=args.global_batch)
+        row: dict[str, Any] = {"world": world, "network": str(net), "gbps": gbps,
                                "latency_s": latency, "plan": best.to_dict(),
+                               "predicted_compute_s": compute.step_s,
                                "profile": profile.to_dict()}  # fmt: skip
         step = build_step(best, args, rank)
+        tx = interface_tx_bytes()
         row["measured_s"] = time_rounds(step, args.rounds, args.warmup)
+        after = interface_tx_bytes()
+        sent: list[Any] = [None] * world
+        per_step = (
+            None if tx is None or after is None else (after - tx) / (args.rounds + args.warmup)
+        )
+        dist.all_gather_object(sent, per_step)
+        row["wire_bytes_per_step"] = sent
         rows.append(row)
+    return rows
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows = measure(rank, world, args, None)
     if rank == 0:
         out[world] = rows
     dist.barrier()  # no rank leaves while a peer still talks to it
     dist.destroy_process_group()
+
+
+def lab_worker(config: Path) -> None:
+    """One rank on a lab node (``--worker FILE``), started by :func:`trainers.netlab.start_ranks`
+    or torchrun: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` from the
+    environment; settings and the network from ``FILE``; rank 0 writes the rows to its ``"out"``."""
+    conf = json.loads(config.read_text())
+    args = argparse.Namespace(**conf["args"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=conf["gloo_timeout"]))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = measure(rank, world, args, Network.parse(conf["network"], devices=world))
+    if rank == 0:
+        Path(conf["out"]).write_text(json.dumps(rows))
+    dist.barrier()  # no rank leaves while a peer still talks to it
+    dist.destroy_process_group()
+
+
+def lab_network(world: int, cap_bits: int, latency_us: float) -> Network:
+    """The planner's one-level network for ``world`` lab nodes capped at ``cap_bits``: the
+    cap's TCP payload rate and ``latency_us`` per message."""
+    return Network.parse(f"{world}:{cap_bits * TCP_PAYLOAD / 1e9:.6g}:{latency_us * 1e-6:.6g}")
+
+
+def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> bool:
+    """Wait for the ranks; stop them all once one fails (its peers would wait for it until
+    gloo's timeout) or ``timeout`` seconds pass. ``False``: the time ran out."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline or any(p.returncode for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                p.wait()
+            return time.monotonic() <= deadline
+        time.sleep(0.2)
+    return True
+
+
+def run_on_lab(world: int, args: argparse.Namespace) -> list:
+    """``world`` ranks of :func:`lab_worker`, one per node of a fresh lab capped at
+    ``args.netlab``; the lab is removed however the run ends, and the run is stopped after
+    ``args.timeout`` s."""
+    from trainers.netlab import Lab, parse_rate, start_ranks  # noqa: PLC0415
+
+    network = lab_network(world, parse_rate(args.netlab), args.latency_us)
+    with tempfile.TemporaryDirectory(prefix="plan_check_lab_") as tmp:
+        config, out, log = Path(tmp, "config.json"), Path(tmp, "rows.json"), Path(tmp, "ranks.log")
+        settings = {k: v for k, v in vars(args).items() if k not in ("json", "worker")}
+        config.write_text(json.dumps({"args": settings, "out": str(out), "network": str(network),
+                                      "gloo_timeout": max(60, args.timeout // 2)}))  # fmt: skip
+        name = f"pc{os.getpid() % 10**6}n{world}"
+        with Lab(world, bandwidth=args.netlab, name=name) as lab, open(log, "w") as logf:
+            procs = start_ranks(lab, [sys.executable, str(Path(__file__).resolve()), "--worker",
+                                      str(config)], port=29500, cwd=ROOT, stdout=logf,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+            if not wait_ranks(procs, args.timeout):
+                raise SystemExit(f"plan_check: the {world}-node lab run passed --timeout "
+                                 f"{args.timeout} s; ranks' output:\n{log.read_text()[-3000:]}")  # fmt: skip
+        if any(p.returncode for p in procs):
+            raise SystemExit(f"plan_check: lab ranks exited with {[p.returncode for p in procs]}"
+                             f":\n{log.read_text()[-5000:]}")  # fmt: skip
+        return json.loads(out.read_text())
 
 
 def _free_port() -> int:
@@ -274,27 +398,54 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", default=None, help="also write every number here")
+    p.add_argument("--netlab", default=None, metavar="CAP",
+                   help="run the ranks on a lab network, one per node, links capped at CAP "
+                   "(e.g. 100mbit, 1gbit) both ways; needs root (docs/netlab.md)")  # fmt: skip
+    p.add_argument("--latency-us", type=float, default=LAB_LATENCY_US,
+                   help="--netlab: the planner's per-message latency (microseconds)")  # fmt: skip
+    p.add_argument("--timeout", type=int, default=3600,
+                   help="--netlab: seconds one lab run may take before it is stopped")  # fmt: skip
+    p.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.worker:
+        lab_worker(args.worker)
+        return 0
     if args.rounds < 5:
         p.error(f"--rounds must be >= 5 (min / median / max of the measured steps), got {args.rounds}")  # fmt: skip
     for world in args.worlds:
         if world not in CONFIGS:
             p.error(f"--worlds: {world} processes has no configurations; use 2 or 4")
+    if args.netlab:
+        from trainers.netlab import missing_requirements  # noqa: PLC0415
+
+        why = missing_requirements()
+        if why:
+            print(f"plan_check --netlab: {why}", file=sys.stderr)
+            return 2
     cores = os.cpu_count() or 1
     print(machine_line())
     print(f"model: BERT span QA, {args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
           f"vocab {args.vocab}, seq {args.seq_len}, global batch {args.global_batch}, fp32, AdamW")  # fmt: skip
-    out = mp.Manager().dict()
+    if args.netlab:
+        print(f"lab network: one rank per node, {args.netlab} each way per node; the planner's "
+              f"network: {args.netlab} x 1448/1514, {args.latency_us:g} us per message")  # fmt: skip
+    out: Any = {} if args.netlab else mp.Manager().dict()
     worst, errors = 0.0, []
     start = time.perf_counter()
     for world in args.worlds:
-        mp.spawn(worker, args=(world, _free_port(), args, out), nprocs=world, join=True)
+        if args.netlab:
+            out[world] = run_on_lab(world, args)
+            print(f"\n{world} lab nodes at {args.netlab} ({world / cores:.1f} ranks per core; each "
+                  "plan profiled just before its run; 'net' = the prediction's network part, "
+                  "'wire MB' = bytes each node sent per step)")  # fmt: skip
+        else:
+            mp.spawn(worker, args=(world, _free_port(), args, out), nprocs=world, join=True)
+            print(f"\n{world} processes ({world / cores:.1f} per core; each plan profiled, and its "
+                  "link calibrated, just before its run, under the same contention)")  # fmt: skip
         rows = out[world]
-        print(f"\n{world} processes ({world / cores:.1f} per core; each plan profiled, and its "
-              "link calibrated, just before its run, under the same contention)")  # fmt: skip
         print(f"{'tp':>3} {'pp':>3} {'dp':>3} {'M':>3} {'sched':>6} {'boundaries':>15} "
               f"{'link Gbps/us':>13} {'predicted':>9} {'min':>7} {'median':>7} {'max':>7} "
-              f"{'error':>7} {'vs min':>7}")  # fmt: skip
+              f"{'error':>7} {'vs min':>7}" + (f" {'net':>6} {'wire MB':>13}" if args.netlab else ""))  # fmt: skip
         for row in rows:
             q = row["plan"]
             head = (
@@ -309,12 +460,27 @@ def main() -> int:
             row["rel_error"], row["rel_error_vs_min"] = rel, rel_min
             errors.append(abs(rel))
             worst = max(worst, abs(rel))
+            tail = ""
+            if args.netlab:
+                net = q["predicted_step_s"] - row["predicted_compute_s"]
+                wire = [w for w in row["wire_bytes_per_step"] if w is not None]
+                span = f"{min(wire) / 1e6:.2f}-{max(wire) / 1e6:.2f}" if wire else "n/a"
+                tail = f" {net:>6.3f} {span:>13}"
             print(f"{head} {min(times):>7.3f} {med:>7.3f} {max(times):>7.3f} {rel:>+7.1%} "
-                  f"{rel_min:>+7.1%}")  # fmt: skip
+                  f"{rel_min:>+7.1%}{tail}")  # fmt: skip
     if args.json:
         from trainers.checkpoint import atomic_write_text
 
-        atomic_write_text(args.json, json.dumps({str(k): v for k, v in out.items()}, indent=1))
+        data: dict[str, Any] = {str(k): v for k, v in out.items()}
+        if args.netlab:
+            from _report import machine  # noqa: PLC0415
+
+            data = {"benchmark": "plan_check", "netlab": args.netlab,
+                    "command": [Path(sys.argv[0]).as_posix(), *sys.argv[1:]],
+                    "latency_us": args.latency_us, "machine": machine(),
+                    "date": time.strftime("%Y-%m-%d"), "max_rel_error": worst,
+                    "median_abs_error": statistics.median(errors), "worlds": data}  # fmt: skip
+        atomic_write_text(args.json, json.dumps(data, indent=1))
     print(f"\n{len(errors)} plans measured in {time.perf_counter() - start:.0f} s; median "
           f"|error| {statistics.median(errors):.1%}")  # fmt: skip
     print(f"max_rel_error={worst:.3f}")
