@@ -7,6 +7,25 @@ group (gloo on CPU, NCCL on GPU) when the world has more than one process. A scr
 with plain ``python`` is a world of one: no process group, and every collective below is a
 cheap local no-op, so the same code runs in both cases.
 
+Under torchrun, two guards make a multi-node job fail fast instead of hanging or going wrong:
+
+* **Peer watchdog** (:class:`PeerWatchdog`, started by :func:`start_peer_watchdog`: by an
+  :class:`~trainers.elastic.ElasticState` under torchrun, or by :meth:`DistEnv.from_env` for
+  any job when ``MODELZOO_PEER_TIMEOUT`` is set): a network partition leaves a gloo collective
+  blocked until the process-group timeout (30 min) on every side of the cut. Each rank bumps
+  a heartbeat counter in the job's store every ``timeout / 10`` seconds and reads everyone's;
+  when a peer's counter stops moving, or the store stops answering, for
+  ``MODELZOO_PEER_TIMEOUT`` seconds (default 5; 0 turns it off), the rank prints one line
+  and exits with :data:`PEER_LOST_EXIT_CODE`, so that torchrun's agents re-form the group
+  without the silent node (docs/elastic.md, "Network partitions"). A peer whose process
+  ended is not silent (its sockets close and gloo fails at once), so the watchdog only
+  judges live-but-unreachable peers, and it stands down once any rank has finished.
+* **Shared rendezvous store**: torchrun (2.13) by default hands every worker group the same
+  store server, kept from the first rendezvous round, and torch's process group writes the
+  same gloo address keys into it each time; a restarted worker can read the dead group's
+  address ("Gloo connectFullMesh failed ... Connection refused"). A worker that torchrun may
+  restart refuses to start in that mode and names the fix (:data:`SHARED_STORE_MESSAGE`).
+
 Example:
     >>> with DistEnv.from_env() as env:
     ...     env.seed_everything(0)
@@ -17,9 +36,15 @@ Example:
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import os
 import random
+import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,13 +52,85 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv"]
+__all__ = [
+    "PEER_LOST_EXIT_CODE",
+    "PEER_TIMEOUT_ENV",
+    "SHARED_STORE_MESSAGE",
+    "DistEnv",
+    "PeerWatchdog",
+    "UnsafeLaunchError",
+    "check_launch",
+    "peer_timeout",
+    "start_peer_watchdog",
+]
 
 _REQUIRED_WHEN_DISTRIBUTED = ("MASTER_ADDR", "MASTER_PORT")
 
+#: seconds of silence from a peer (or the store) before a rank gives up; 0 turns it off
+PEER_TIMEOUT_ENV = "MODELZOO_PEER_TIMEOUT"
+DEFAULT_PEER_TIMEOUT = 5.0
+ALLOW_SHARED_STORE_ENV = "MODELZOO_ALLOW_SHARED_STORE"
+#: the exit status of a rank that lost a peer (EX_TEMPFAIL: try again; torchrun restarts it)
+PEER_LOST_EXIT_CODE = 75
+SHARED_STORE_MESSAGE = (
+    "torchrun is sharing one rendezvous store across worker restarts "
+    "(TORCHELASTIC_USE_AGENT_STORE=True), so a restarted worker can read the previous group's "
+    "gloo addresses and fail ('connectFullMesh ... Connection refused', pytorch#135712): "
+    "launch with 'python -m trainers.elastic torchrun ...' or set "
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (docs/elastic.md)"
+)
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
+
+class UnsafeLaunchError(RuntimeError):
+    """The launcher's settings would make this job fail later: the message says what to set."""
+
+
+def check_launch(environ: dict[str, str] | None = None, *, elastic: bool = False) -> None:
+    """Refuse a torchrun launch whose restarts would reuse the first round's store.
+
+    Unsafe: torchrun shares its store (``TORCHELASTIC_USE_AGENT_STORE=True``, the default
+    without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) and the worker group can be started
+    again: ``--max-restarts`` above 0, a restart already happened, or ``elastic`` (the caller
+    knows that nodes may join or leave, e.g. an :class:`~trainers.elastic.ElasticState`).
+    A one-generation job (``torchrun --nproc-per-node 4 ...``) is left alone, and so is any
+    job with ``MODELZOO_ALLOW_SHARED_STORE=1`` (only to reproduce the failure).
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    if environ.get(ALLOW_SHARED_STORE_ENV) == "1":  # to reproduce the failure, nothing else
+        return
+    restarts = _env_int("TORCHELASTIC_MAX_RESTARTS", 0, environ)
+    restarted = _env_int("TORCHELASTIC_RESTART_COUNT", 0, environ)
+    if elastic or restarts > 0 or restarted > 0:
+        raise UnsafeLaunchError(SHARED_STORE_MESSAGE)
+
+
+def peer_timeout(environ: dict[str, str] | None = None, *, elastic: bool = False) -> float:
+    """The watchdog's timeout: ``MODELZOO_PEER_TIMEOUT`` if set; else, for an ``elastic`` job
+    under torchrun (``TORCHELASTIC_RUN_ID`` set), 5 s; else 0 (off).
+
+    Off by default for a job of fixed size: it needs every node anyway, and a short cut
+    (TCP retransmissions stretch a 3 s cut to up to ~6 s of silence) is better waited out
+    than turned into a restart. An elastic job goes on without the node instead.
+    """
+    environ = os.environ if environ is None else environ
+    value = environ.get(PEER_TIMEOUT_ENV, "")
+    if value == "":
+        return DEFAULT_PEER_TIMEOUT if elastic and environ.get("TORCHELASTIC_RUN_ID") else 0.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(
+            f"environment variable {PEER_TIMEOUT_ENV}={value!r}: give seconds >= 0 (0: off)"
+        )
+    return seconds
+
+
+def _env_int(name: str, default: int, environ: Any = None) -> int:
+    value = (os.environ if environ is None else environ).get(name)
     if value is None or value == "":
         return default
     try:
@@ -84,7 +181,9 @@ class DistEnv:
             device: ``"cpu"`` or ``"cuda"`` to force one; default CUDA when available.
 
         If a default process group already exists (the caller made one), it is used as is
-        and :meth:`destroy` leaves it alone. ``MODELZOO_DETERMINISTIC=1`` in the environment
+        and :meth:`destroy` leaves it alone. Otherwise a launch that torchrun could restart
+        into a stale shared store is refused (:func:`check_launch`), and with
+        ``MODELZOO_PEER_TIMEOUT`` set a :class:`PeerWatchdog` is started (module docstring). ``MODELZOO_DETERMINISTIC=1`` in the environment
         turns on ``torch.use_deterministic_algorithms`` (``scripts/reproduce.py`` sets it, with
         ``CUBLAS_WORKSPACE_CONFIG``, to rerun a CUDA log made that way; the run log's
         fingerprint records it).
@@ -132,13 +231,15 @@ class DistEnv:
             )
         if not dist.is_available():
             raise RuntimeError("torch.distributed is not available in this torch build")
+        check_launch()
+        timeout = peer_timeout()
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         dist.init_process_group(
             backend=backend, init_method="env://", rank=rank, world_size=world_size
         )
-        return cls(
+        env = cls(
             rank=rank,
             local_rank=local_rank,
             world_size=world_size,
@@ -148,6 +249,8 @@ class DistEnv:
             backend=backend,
             owns_process_group=True,
         )
+        start_peer_watchdog(env, timeout)
+        return env
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -203,6 +306,8 @@ class DistEnv:
         if self.owns_process_group and dist.is_initialized():
             if barrier and self.distributed:
                 self.barrier()
+            while _WATCHDOGS:  # before the store goes: the job is ending
+                _WATCHDOGS.pop().stop()
             dist.destroy_process_group()
 
     # -- collectives (no-ops for a world of one) -------------------------------------------
@@ -274,3 +379,185 @@ def _pick_device(use_cuda: bool, local_rank: int) -> torch.device:
     if use_cuda:
         return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
     return torch.device("cpu")
+
+
+class PeerWatchdog:
+    """Exit this rank when a peer or the job's store goes silent (a network partition).
+
+    Every ``interval`` seconds (``timeout / 10``) a heartbeat thread adds 1 to this rank's
+    counter in ``store`` and reads every rank's counter (3 store round trips whatever the
+    world size). It calls ``on_silence(reason)`` (default: print the reason and
+    ``os._exit(PEER_LOST_EXIT_CODE)``) when
+
+    * a peer's counter has not moved across this rank's own reads spanning ``timeout``
+      seconds (judged on reads, so a rank that was itself starved of CPU does not blame its
+      peers), or
+    * a store round trip has been in flight for ``timeout`` seconds (checked by a second
+      thread: a TCPStore request to an unreachable host blocks for as long as the cut lasts,
+      whatever the store's own timeout; measured in the lab network).
+
+    A store request that fails outright (refused, reset) means the store's process ended:
+    that is no partition (gloo sees a dead process at once), and the watchdog stands down, as
+    it does once any rank has called :meth:`stop` with ``finished=True`` (the job is ending).
+
+    Args:
+        store: a c10d store every rank reaches (a clone of the default process group's).
+        rank: this rank.
+        world_size: ranks in the job.
+        timeout: seconds of silence before giving up.
+        on_silence: what to do then (tests pass a recorder).
+        clock: the time source (tests pass a fake one).
+    """
+
+    KEY = "modelzoo/heartbeat/"
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        *,
+        on_silence: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = float(timeout)
+        self.interval = self.timeout / 10
+        self.on_silence = on_silence or _exit_on_silence
+        self.clock = clock
+        self.keys = [f"{self.KEY}{r}" for r in range(world_size)]
+        self.done_key = f"{self.KEY}finished"
+        self.fired: str | None = None
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, time it last moved)
+        self._in_flight_since: float | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    # -- the rule (pure, tested without threads) ----------------------------------------------
+    def observe(self, counters: list[int], now: float) -> str | None:
+        """Record one read of every rank's counter; the reason to give up, or ``None``."""
+        for rank, value in enumerate(counters):
+            if rank == self.rank:
+                continue
+            last = self._seen.get(rank)
+            if last is None or value != last[0]:
+                self._seen[rank] = (value, now)
+            elif now - last[1] >= self.timeout:
+                return (
+                    f"rank {rank}'s heartbeat has not moved for {now - last[1]:.1f} s "
+                    f"(network partition or a frozen node)"
+                )
+        return None
+
+    def stalled(self, now: float) -> str | None:
+        """The reason to give up if a store round trip has been in flight too long."""
+        started = self._in_flight_since
+        if started is not None and now - started >= self.timeout:
+            return (
+                f"the job's store has not answered for {now - started:.1f} s "
+                f"(network partition or a frozen node)"
+            )
+        return None
+
+    # -- threads -----------------------------------------------------------------------------------
+    def start(self) -> PeerWatchdog:
+        for target, name in ((self._beat, "heartbeat"), (self._watch, "store-watch")):
+            thread = threading.Thread(target=target, name=f"modelzoo-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def stop(self, *, finished: bool = True, wait: float = 1.0) -> None:
+        """Stop the threads; ``finished``: also tell the other ranks to stand down (at most
+        ``wait`` seconds: the store may be unreachable)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if finished:
+            announce = threading.Thread(target=self._announce, daemon=True)
+            announce.start()
+            announce.join(wait)
+
+    def _announce(self) -> None:
+        with contextlib.suppress(Exception):  # the store's process may be gone: nothing to tell
+            self.store.add(self.done_key, 1)
+
+    def _fire(self, reason: str) -> None:
+        with self._lock:
+            if self._stop.is_set() or self.fired is not None:
+                return
+            self.fired = reason
+            self._stop.set()
+        self.on_silence(f"rank {self.rank}: {reason}")
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            self._in_flight_since = self.clock()
+            try:
+                self.store.add(self.keys[self.rank], 1)
+                finished = self.store.add(self.done_key, 0)
+                counters = None
+                if self.store.check(self.keys):
+                    counters = [int(v) for v in self.store.multi_get(self.keys)]
+            except Exception:  # noqa: BLE001 (refused/reset: the store's process ended)
+                self._stop.set()
+                return
+            finally:
+                self._in_flight_since = None
+            if finished:
+                self._stop.set()
+                return
+            if counters is not None:
+                reason = self.observe(counters, self.clock())
+                if reason:
+                    self._fire(reason)
+                    return
+            self._stop.wait(self.interval)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval):
+            reason = self.stalled(self.clock())
+            if reason:
+                self._fire(reason)
+                return
+
+
+def _exit_on_silence(reason: str) -> None:
+    """Leave now, so that torchrun's agent restarts the worker group without the lost peer."""
+    message = (
+        f"[DistEnv] {reason}; exiting with {PEER_LOST_EXIT_CODE} so that torchrun re-forms "
+        f"the group ({PEER_TIMEOUT_ENV} sets the timeout) at {time.time():.3f}\n"
+    )
+    try:
+        sys.stdout.flush()
+        sys.stderr.write(message)
+        sys.stderr.flush()
+    finally:
+        os._exit(PEER_LOST_EXIT_CODE)
+
+
+_WATCHDOGS: list[PeerWatchdog] = []  # this process's (one at most); destroy() stops it
+
+
+def start_peer_watchdog(env: DistEnv, timeout: float | None = None) -> PeerWatchdog | None:
+    """Start this process's :class:`PeerWatchdog` on ``env``'s default process group (on a
+    clone of its store: a connection of its own); ``timeout`` defaults to
+    :func:`peer_timeout`. Returns the running one if there is one, ``None`` when off (a
+    timeout of 0, or a world of one). Stopped by
+    :meth:`DistEnv.destroy` and at exit."""
+    if _WATCHDOGS:
+        return _WATCHDOGS[0]
+    timeout = peer_timeout() if timeout is None else timeout
+    if timeout <= 0 or not env.distributed or not dist.is_initialized():
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    watchdog = PeerWatchdog(store.clone(), dist.get_rank(), dist.get_world_size(), timeout)
+    _WATCHDOGS.append(watchdog.start())
+    atexit.register(watchdog.stop)
+    return watchdog

@@ -56,8 +56,14 @@ keeps their updates equal to the unfolded form's. Declare them with
 :func:`register_folded_momentum` or a class attribute ``folds_lr_into = ("momentum",)``.
 
 **Rendezvous**: the c10d store must outlive the workers: run it apart
-(``python -m trainers.elastic store --port 29400``) or on a node that never leaves, and set
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see docs/elastic.md for why and for the timeouts).
+(``python -m trainers.elastic store --port 29400``) or on a node that never leaves, and
+launch with ``python -m trainers.elastic torchrun ...`` (torchrun with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: a fresh worker store each round). An
+:class:`ElasticState` refuses to start under a torchrun that shares one store across rounds
+(:func:`trainers.dist.check_launch`); see docs/elastic.md for why and for the timeouts.
+Under torchrun it also starts the peer watchdog (:class:`trainers.dist.PeerWatchdog`): a
+rank whose peer or store goes silent for ``MODELZOO_PEER_TIMEOUT`` seconds (default 5)
+exits, so that a network partition costs seconds instead of the collective timeout.
 
 Example:
     >>> trainer = Trainer(model, optimizer, config, train_step=step, lr_schedule=schedule)
@@ -72,6 +78,7 @@ import copy
 import json
 import math
 import os
+import sys
 import time
 import uuid
 from collections import defaultdict
@@ -84,6 +91,7 @@ import torch
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import ShardedSampler
+from .dist import check_launch, peer_timeout, start_peer_watchdog
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -227,6 +235,7 @@ class ElasticState:
                 f"lr_scaling must be one of {LR_SCALING_MODES}, got {lr_scaling!r} "
                 "(linear for averaged gradients, none for Adasum)"
             )
+        check_launch(elastic=True)  # a shared torchrun store breaks the first restart
         self.trainer = trainer
         self.directory = Path(directory)
         self.path = self.directory / STATE_FILE
@@ -242,6 +251,7 @@ class ElasticState:
         self.schedule_offset = 0.0
         self.restarts = 0  # worker groups that resumed from state.pt
         self.finished = False
+        self.finished_at: float | None = None  # wall-clock time of the final save
 
         self.restored_step: int | None = None  # where this worker group started
         self.load_seconds = 0.0  # time load() took
@@ -256,6 +266,9 @@ class ElasticState:
 
         self._check_lr()
         trainer.add_hook(self)
+        # A partition must cost seconds, not the 30-minute collective timeout: give up on a
+        # silent peer so that torchrun re-forms the group without it (trainers.dist).
+        self.watchdog = start_peer_watchdog(trainer.env, peer_timeout(elastic=True))
 
     @staticmethod
     def has_checkpoint(directory: str | os.PathLike[str]) -> bool:
@@ -302,6 +315,13 @@ class ElasticState:
         state = load_checkpoint(self.path)
         mine = _elastic_part(state, self.path)
         if mine["finished"]:
+            if _finished_during_this_launch(mine.get("finished_at")):
+                # A node joined while the job was ending and torchrun restarted its workers:
+                # the job is complete, and refusing would only use up the restarts.
+                print(f"[elastic] the job in {str(self.directory)!r} finished at step "
+                      f"{state['step']} while torchrun restarted its workers: nothing left "
+                      "to do", file=sys.stderr, flush=True)  # fmt: skip
+                raise SystemExit(0)
             raise RuntimeError(
                 f"the elastic job in {str(self.directory)!r} already finished at step "
                 f"{state['step']}; give a new --elastic-dir (or delete this one) to train again"
@@ -395,6 +415,7 @@ class ElasticState:
 
     def on_train_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
         self.finished = True
+        self.finished_at = time.time()
         self.save()
         if self._ledger_file is not None:
             self._ledger_file.close()
@@ -409,6 +430,7 @@ class ElasticState:
             "lr_scaling": self.lr_scaling,
             "restarts": self.restarts,
             "finished": self.finished,
+            "finished_at": self.finished_at,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -422,6 +444,7 @@ class ElasticState:
         self.schedule_offset = float(state["schedule_offset"])
         self.restarts = int(state["restarts"])
         self.finished = bool(state["finished"])
+        self.finished_at = state.get("finished_at")
         self._rescaled_step = None
 
     # -- internals -------------------------------------------------------------------------------
@@ -498,6 +521,30 @@ class ElasticState:
         self._ledger_file.flush()
 
 
+def _finished_during_this_launch(finished_at: float | None) -> bool:
+    """Whether the torchrun agent that started this worker (its parent) was already running
+    when the job finished: then torchrun restarted the workers of a job that had just ended
+    (a node joining in its last seconds), not a user relaunching a finished directory."""
+    if finished_at is None or not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return False
+    started = _process_start_time(os.getppid())
+    return started is not None and started < finished_at
+
+
+def _process_start_time(pid: int) -> float | None:
+    """A process's start as a Unix time (Linux ``/proc``; ``None`` elsewhere)."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            int(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def _elastic_part(state: Mapping[str, Any], path: Path) -> Mapping[str, Any]:
     for part in state.get("hooks") or ():
         if isinstance(part, Mapping) and part.get("elastic") == _FORMAT:
@@ -569,12 +616,32 @@ def serve_store(host: str = "0.0.0.0", port: int = 29400) -> torch.distributed.T
     return torch.distributed.TCPStore(host, port, is_master=True, wait_for_workers=False)
 
 
+def torchrun(argv: list[str]) -> None:
+    """torchrun with a fresh worker store every rendezvous round.
+
+    ``python -m trainers.elastic torchrun ARGS`` is ``torchrun ARGS`` with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agent's environment: torch 2.13's agents
+    otherwise keep the first round's store server for every later round, and a restarted
+    worker can read the previous group's gloo addresses (docs/elastic.md).
+    """
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    from torch.distributed.run import main as torchrun_main
+
+    torchrun_main(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["torchrun"]:
+        torchrun(argv[1:])
+        return
     parser = argparse.ArgumentParser(
         prog="python -m trainers.elastic",
-        description="Host the c10d rendezvous store of an elastic job until interrupted.",
+        description="Host the c10d rendezvous store of an elastic job until interrupted "
+        "(store), or launch torchrun safely for elastic jobs (torchrun ARGS: torchrun's own "
+        "arguments, with a fresh worker store every rendezvous round).",
     )
-    parser.add_argument("command", choices=["store"])
+    parser.add_argument("command", choices=["store", "torchrun"])
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=29400)
     args = parser.parse_args(argv)

@@ -12,7 +12,15 @@ import time
 
 import pytest
 
-from trainers.elastic_drill import DrillError, _descendants, _kill_node, run_drill
+from trainers.elastic_drill import (
+    DrillError,
+    _descendants,
+    _kill_node,
+    main,
+    parse_partition,
+    parse_slow_node,
+    run_drill,
+)
 
 CMD = ["scripts/train_imagenet.py", "--run-log", "x.jsonl"]
 
@@ -67,3 +75,37 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# -- --netlab: refusals are one line naming the flag, exit 2 (no lab is made) ------------------
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--netlab"], "--partition NODE:STEP:SECONDS or --slow-node"),
+        (["--netlab", "--partition", "2:20"], "--partition '2:20'"),
+        (["--netlab", "--partition", "2:x:20"], "--partition '2:x:20'"),
+        (["--netlab", "--partition", "2:20:0"], "--partition '2:20:0'"),
+        (["--netlab", "--partition", "3:20:5"], "--partition: node 3"),
+        (["--netlab", "--nodes", "2", "--partition", "1:20:5"], "--nodes 2"),
+        (["--netlab", "--slow-node", "2:fast"], "--slow-node '2:fast'"),
+        (["--netlab", "--slow-node", "5:100mbit"], "--slow-node: node 5"),
+        (["--netlab", "--slow-node", "2:100mbit", "--bandwidth", "lots"], "--bandwidth"),
+        (["--netlab", "--partition", "2:20:5", "--min-nodes", "4"], "--min-nodes 4"),
+        (["--netlab", "--partition", "2:20:5", "--kill-at-step", "5"], "--kill-at-step"),
+        (["--partition", "2:20:5", "--kill-at-step", "5"], "--partition: only with --netlab"),
+        (["--slow-node", "2:1mbit", "--kill-at-step", "5"], "--slow-node: only with --netlab"),
+        ([], "--kill-at-step: required"),
+    ],
+)
+def test_netlab_refusals_name_the_flag_and_exit_2(flags, message, capsys, tmp_path):
+    run_log = tmp_path / "x.jsonl"
+    assert main([*flags, "--", "scripts/train_imagenet.py", "--run-log", str(run_log)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err, err
+    assert not run_log.exists()
+
+
+def test_partition_and_slow_node_parse():
+    assert parse_partition("2:40:20") == (2, 40, 20.0)
+    assert parse_partition("0:0:1.5") == (0, 0, 1.5)
+    assert parse_slow_node("2:100mbit") == (2, "100mbit")

@@ -177,13 +177,17 @@ def run_job(
     python: str = sys.executable,
     env: dict[str, str] | None = None,
     log: Callable[[str], None] = print,
+    share_store: bool = False,
 ) -> JobResult:
     """Start ``command`` (a script and its flags) on every node of the running ``lab`` under
     torchrun and wait for it (module docstring). Returns per-node exit codes and bytes.
 
     ``min_nodes`` below ``lab.nodes`` makes the job elastic (``--nnodes=MIN:N``, rendezvous on
     the control host). Each agent's output goes to ``log_dir/node<i>.log`` (a temporary
-    folder when ``None``, named in the result).
+    folder when ``None``, named in the result). ``share_store=True`` leaves torchrun's
+    default (one worker store for every rendezvous round; unsafe, see docs/elastic.md): only
+    to reproduce that failure. The partition record carries the cut's and the reconnection's
+    wall-clock times (``cut_at_time``, ``up_at_time``) besides the seconds into the job.
     """
     if not lab.is_up:
         raise LabError("the lab is not up: use it as a context manager or call up() first")
@@ -200,8 +204,12 @@ def run_job(
         __import__("tempfile").mkdtemp(prefix=f"netlab_{lab.name}_"))  # fmt: skip
     log_dir.mkdir(parents=True, exist_ok=True)
     base = dict(os.environ if env is None else env)
-    base.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS=str(threads),
-                MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")  # fmt: skip
+    base.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                PYTHONUNBUFFERED="1")  # fmt: skip
+    if share_store:
+        base.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    else:
+        base["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     repo_path = str(Path(__file__).resolve().parents[2])
     base["PYTHONPATH"] = repo_path + (os.pathsep + base["PYTHONPATH"] if base.get("PYTHONPATH")
                                       else "")  # fmt: skip
@@ -250,16 +258,18 @@ def run_job(
                     step is not None and step >= partition.at_step
                 ):
                     lab.set_link(partition.node, up=False)
-                    cut_at = now
+                    cut_at, cut_time = now, time.time()
                     partition_record = {"node": partition.node, "cut_at_s": now - start,
-                                        "cut_at_step": last_step(command, cwd)}  # fmt: skip
+                                        "cut_at_step": last_step(command, cwd),
+                                        "cut_at_time": cut_time}  # fmt: skip
                     log(f"[netlab] node {partition.node}'s link down at {now - start:.1f} s "
                         f"(step {partition_record['cut_at_step']})")  # fmt: skip
             if (cut_at is not None and restore_at is None and partition.duration is not None
                     and now - cut_at >= partition.duration):  # fmt: skip
                 lab.set_link(partition.node, up=True)
-                restore_at = now
-                partition_record.update(up_at_s=now - start, up_at_step=last_step(command, cwd))
+                restore_at, up_time = now, time.time()
+                partition_record.update(up_at_s=now - start, up_at_step=last_step(command, cwd),
+                                        up_at_time=up_time)  # fmt: skip
                 log(f"[netlab] node {partition.node}'s link up at {now - start:.1f} s")
             time.sleep(0.1)
     finally:
