@@ -1,0 +1,152 @@
+"""Check scripts/scaling_whatif.py's step-time model against real training runs on the lab network.
+
+For each lab setting (nodes x cap) this runs the digits recipe (``scripts/train_imagenet.py``,
+ResNeSt-14, ``--grad-combine average``: DDP's bucketed all-reduce, overlapped with the
+backward) for ``--steps`` steps on the lab (``trainers.netlab``: one torchrun agent per node,
+real TCP through capped links) and predicts its step time from two things measured apart:
+
+* ``T_c``, the compute of a step: the same recipe as N independent one-process runs started
+  together on this machine (no communication, the same contention for the cores as the N lab
+  nodes);
+* ``G``, the gradient bytes a step all-reduces (the run log's ``grad_bytes``),
+
+with the what-if model (:func:`scaling_whatif.comm_time`, ``o`` = :data:`scaling_whatif.OVERLAP`
+of ``average``) on a link of ``B`` = the cap x 1448/1514 (the TCP payload of a 1514-byte
+Ethernet frame: what a capped link carries of the all-reduce's bytes) and the default
+latency. Nothing is fitted to the lab run itself. Prints one line per setting and
+``max_rel_error=<...>`` last (the issue's target: at most 0.15).
+
+Usage: python benchmarks/whatif_lab_check.py [--nodes 2,4] [--caps 100mbit,1gbit] [--steps 12]
+       [--json benchmarks/results/whatif_lab_check.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import machine, machine_line  # noqa: E402
+
+from trainers.netlab import Lab, missing_requirements, parse_rate, run_job  # noqa: E402
+
+TCP_PAYLOAD = 1448 / 1514  # MSS over the Ethernet frame at MTU 1500 (timestamps on)
+WARMUP_STEPS = 2  # the first steps build buckets and warm the allocator
+BATCH = 32
+
+
+def _whatif():
+    spec = importlib.util.spec_from_file_location("whatif", ROOT / "scripts" / "scaling_whatif.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["whatif"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _recipe(steps: int, run_log: Path) -> list[str]:
+    return ["scripts/train_imagenet.py", "--batch-size", str(BATCH), "-j", "0", "--no-progress",
+            "--seed", "0", "--max-steps", str(steps), "--log-interval", "1",
+            "--run-log", str(run_log)]  # fmt: skip
+
+
+def _step_times(run_log: Path) -> tuple[list[float], float | None]:
+    """Seconds per step (the global batch over the step record's samples/s, which counts
+    every rank's samples) after the warm-up, and the gradient bytes a step all-reduces."""
+    times, grad, world = [], None, 1
+    for line in run_log.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("kind") == "header":
+            world = r["world_size"]
+        if r.get("kind") == "step" and r["step"] > WARMUP_STEPS:
+            times.append(BATCH * world / r["samples_per_sec"])
+            grad = r.get("grad_bytes", grad)
+    return times, grad
+
+
+def compute_time(nodes: int, steps: int, work: Path) -> list[float]:
+    """Median step time of ``nodes`` independent one-process runs started together."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    logs = [work / f"compute{nodes}_{i}.jsonl" for i in range(nodes)]
+    procs = [subprocess.Popen([sys.executable, *_recipe(steps, log)], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+             for log in logs]  # fmt: skip
+    for p in procs:
+        if p.wait(timeout=900) != 0:
+            raise RuntimeError("a compute-only run failed")
+    return [statistics.median(_step_times(log)[0]) for log in logs]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nodes", default="2,4", help="comma-separated node counts")
+    p.add_argument("--caps", default="100mbit,1gbit", help="comma-separated caps")
+    p.add_argument("--steps", type=int, default=12, help="training steps per run (> 2 + 3)")
+    p.add_argument("--latency-us", type=float, default=None, help="default: the model's")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    why = missing_requirements()
+    if why:
+        print(f"whatif_lab_check: {why}", file=sys.stderr)
+        return 2
+    whatif = _whatif()
+    latency = (whatif.DEFAULT_LATENCY_US if args.latency_us is None else args.latency_us) * 1e-6
+    overlap = whatif.OVERLAP["average"]
+    nodes_list = [int(n) for n in args.nodes.split(",")]
+    caps = [(c, parse_rate(c)) for c in args.caps.split(",")]
+    print(machine_line())
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="whatif_lab_") as tmp:
+        work = Path(tmp)
+        for nodes in nodes_list:
+            t_c_runs = compute_time(nodes, args.steps, work)
+            t_c = statistics.median(t_c_runs)
+            print(f"{nodes} nodes: compute per step {t_c * 1e3:.1f} ms (median of {nodes} "
+                  f"concurrent one-process runs: {', '.join(f'{t * 1e3:.0f}' for t in t_c_runs)})",
+                  flush=True)  # fmt: skip
+            for cap_text, cap in caps:
+                log = work / f"lab{nodes}_{cap_text}.jsonl"
+                with Lab(nodes, bandwidth=cap, name=f"w{os.getpid() % 10000}n{nodes}") as lab:
+                    started = time.monotonic()
+                    result = run_job(lab, _recipe(args.steps, log), timeout=1800, cwd=ROOT,
+                                     log=lambda _line: None)  # fmt: skip
+                if not result.ok:
+                    raise RuntimeError(f"the lab run failed: {result.exit_codes}; {result.logs}")
+                times, grad = _step_times(log)
+                measured = statistics.median(times)
+                gbps = cap * TCP_PAYLOAD / 1e9
+                w = whatif.Workload(compute_time=t_c, grad_bytes=grad, overlap=overlap)
+                comm = whatif.comm_time(w, nodes, gbps, latency)
+                predicted = t_c + max(0.0, comm - overlap * t_c)
+                rel = (predicted - measured) / measured
+                wire = statistics.median(result.tx_bytes) / args.steps
+                rows.append(dict(nodes=nodes, cap=cap_text, compute_s=t_c, grad_bytes=grad,
+                                 comm_s=comm, predicted_s=predicted, measured_s=measured,
+                                 measured_steps_s=times, rel_error=rel,
+                                 wire_bytes_per_step=wire, wall_s=time.monotonic() - started))  # fmt: skip
+                print(f"{nodes} nodes at {cap_text:>7}: step measured {measured * 1e3:8.1f} ms "
+                      f"(min {min(times) * 1e3:.0f}, max {max(times) * 1e3:.0f}), predicted "
+                      f"{predicted * 1e3:8.1f} ms (T_comm {comm * 1e3:.0f} ms), error {rel:+.1%}; "
+                      f"wire {wire / 1e6:.1f} MB sent per node per step vs "
+                      f"2(N-1)/N G = {2 * (nodes - 1) / nodes * grad / 1e6:.1f} MB", flush=True)  # fmt: skip
+    worst = max(abs(r["rel_error"]) for r in rows)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"machine": machine(), "rows": rows,
+                                         "max_rel_error": worst}, indent=1) + "\n")  # fmt: skip
+    print(f"max_rel_error={worst:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
