@@ -285,26 +285,10 @@ def worker(config: Path) -> None:
     dist.destroy_process_group()
 
 
-def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> bool:
-    """Wait for the ranks; stop them all once one fails (its peers would wait for it until
-    gloo's timeout) or ``timeout`` seconds pass. ``False``: the time ran out."""
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
-        if time.monotonic() > deadline or any(p.returncode for p in procs):
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for p in procs:
-                p.wait()
-            return time.monotonic() <= deadline
-        time.sleep(0.2)
-    return True
-
-
 def run_on_lab(world: int, cap: str, args: argparse.Namespace, cost: CostModel) -> list[dict]:
     """``world`` ranks of :func:`worker`, one per node of a fresh lab capped at ``cap``; the
     lab is removed however the run ends, and the run is stopped after ``args.timeout`` s."""
-    from trainers.netlab import Lab, start_ranks  # noqa: PLC0415
+    from trainers.netlab import Lab, start_ranks, wait_ranks  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="bench_sparse_lab_") as tmp:
         config, out, log = Path(tmp, "config.json"), Path(tmp, "rows.json"), Path(tmp, "ranks.log")

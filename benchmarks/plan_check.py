@@ -337,27 +337,11 @@ def lab_network(world: int, cap_bits: int, latency_us: float) -> Network:
     return Network.parse(f"{world}:{cap_bits * TCP_PAYLOAD / 1e9:.6g}:{latency_us * 1e-6:.6g}")
 
 
-def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> bool:
-    """Wait for the ranks; stop them all once one fails (its peers would wait for it until
-    gloo's timeout) or ``timeout`` seconds pass. ``False``: the time ran out."""
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
-        if time.monotonic() > deadline or any(p.returncode for p in procs):
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for p in procs:
-                p.wait()
-            return time.monotonic() <= deadline
-        time.sleep(0.2)
-    return True
-
-
 def run_on_lab(world: int, args: argparse.Namespace) -> list:
     """``world`` ranks of :func:`lab_worker`, one per node of a fresh lab capped at
     ``args.netlab``; the lab is removed however the run ends, and the run is stopped after
     ``args.timeout`` s."""
-    from trainers.netlab import Lab, parse_rate, start_ranks  # noqa: PLC0415
+    from trainers.netlab import Lab, parse_rate, start_ranks, wait_ranks  # noqa: PLC0415
 
     network = lab_network(world, parse_rate(args.netlab), args.latency_us)
     with tempfile.TemporaryDirectory(prefix="plan_check_lab_") as tmp:

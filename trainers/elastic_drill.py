@@ -88,12 +88,9 @@ class DrillUsage(DrillError):
 
 
 def _flag_value(command: Sequence[str], flag: str) -> str | None:
-    for i, arg in enumerate(command):
-        if arg == flag and i + 1 < len(command):
-            return command[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
+    from .netlab.job import flag_value  # the lab's runner reads the same flags
+
+    return flag_value(command, flag)
 
 
 def _free_port() -> int:
@@ -141,6 +138,16 @@ def _check_command(command: Sequence[str]) -> Path:
     if Path(run_log).exists():
         raise DrillUsage(f"{run_log}: exists; the drill writes a new run log (remove it first)")
     return Path(run_log)
+
+
+def _publish_ledger(result: dict, elastic_dir: Path, run_log_path: Path, lines: list[str]) -> None:
+    """Copy the job's ledger beside its run log (``<run log>.ledger/``) and note where, with
+    the run log's membership records, in ``result``."""
+    ledger_copy = run_log_path.with_suffix(".ledger")
+    shutil.rmtree(ledger_copy, ignore_errors=True)
+    shutil.copytree(elastic_dir / LEDGER_DIR, ledger_copy)
+    result["ledger"] = str(ledger_copy)
+    result["membership"] = [r for r in map(json.loads, lines) if r.get("kind") == "membership"]
 
 
 def ledger_steps(elastic_dir: Path) -> list[dict]:
@@ -261,11 +268,7 @@ def run_drill(
         )
         if not lines or json.loads(lines[-1]).get("kind") != "end":
             raise DrillError(f"{run_log}: the job finished without an end record; see {work}")
-        ledger_copy = run_log_path.with_suffix(".ledger")
-        shutil.rmtree(ledger_copy, ignore_errors=True)
-        shutil.copytree(elastic_dir / LEDGER_DIR, ledger_copy)
-        result["ledger"] = str(ledger_copy)
-        result["membership"] = [r for r in map(json.loads, lines) if r.get("kind") == "membership"]
+        _publish_ledger(result, elastic_dir, run_log_path, lines)
     except BaseException:
         # no partial run log survives a failed drill (a log is a publication)
         run_log_path.unlink(missing_ok=True)
@@ -413,11 +416,7 @@ def run_netlab_drill(
                     f"node {partition[0]} never trained again after the cut; see {work}"
                 )
             result["note"] = "the job ended before the link returned: no rejoin to see"
-        ledger_copy = run_log_path.with_suffix(".ledger")
-        shutil.rmtree(ledger_copy, ignore_errors=True)
-        shutil.copytree(elastic_dir / LEDGER_DIR, ledger_copy)
-        result["ledger"] = str(ledger_copy)
-        result["membership"] = [r for r in map(json.loads, lines) if r.get("kind") == "membership"]
+        _publish_ledger(result, elastic_dir, run_log_path, lines)
     except BaseException:
         run_log_path.unlink(missing_ok=True)  # no partial run log survives a failed drill
         raise

@@ -57,6 +57,7 @@ def _steps(out: Path) -> list[dict]:
     return ledger_steps(out / "elastic") if (out / "elastic").is_dir() else []
 
 
+@pytest.mark.slow
 @pytest.mark.netlab
 @pytest.mark.skipif(WHY is not None, reason=f"netlab: {WHY}")
 def test_a_cut_node_is_dropped_in_seconds_and_rejoins_with_every_sample_once(tmp_path):

@@ -6,7 +6,7 @@ node's cable carried. ``python -m trainers.netlab {up,down,status,run}`` is the 
 See docs/netlab.md.
 """
 
-from .job import JobResult, Partition, run_job, start_ranks
+from .job import JobResult, Partition, run_job, start_ranks, wait_ranks
 from .lab import (
     LAB_NETWORK,
     MAX_NODES,
@@ -28,6 +28,7 @@ __all__ = [
     "Partition",
     "run_job",
     "start_ranks",
+    "wait_ranks",
     "LAB_NETWORK",
     "MAX_NODES",
     "PREFIX",

@@ -32,7 +32,15 @@ from pathlib import Path
 
 from .lab import Lab, LabError, _kill_in
 
-__all__ = ["CONTROL_ADDRESS", "JobResult", "Partition", "run_job", "start_ranks"]
+__all__ = [
+    "CONTROL_ADDRESS",
+    "JobResult",
+    "Partition",
+    "flag_value",
+    "run_job",
+    "start_ranks",
+    "wait_ranks",
+]
 
 CONTROL_ADDRESS = "198.18.0.1"  # the bridge's address in the switch namespace: the store host
 RDZV_PORT = 29400
@@ -367,3 +375,20 @@ def start_ranks(
             )  # fmt: skip
             procs.append(lab.popen(node, list(argv), env=rank_env, cwd=cwd, **popen_kwargs))
     return procs
+
+
+def wait_ranks(procs: Sequence[subprocess.Popen], timeout: float) -> bool:
+    """Wait for ranks started by :func:`start_ranks`; stop them all once one fails (its peers
+    would wait for it until gloo's timeout) or ``timeout`` seconds pass. ``False``: the time
+    ran out."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline or any(p.returncode for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                p.wait()
+            return time.monotonic() <= deadline
+        time.sleep(0.2)
+    return True
