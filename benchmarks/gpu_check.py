@@ -17,7 +17,8 @@ part with its own time budget so that the whole stays under ``--budget`` seconds
    gradient shapes on the GPU against the float64 CPU rule (largest relative difference), and
    its time against a plain ``a + b``.
 
-It prints each figure, writes them to ``benchmarks/results/gpu_check.json`` and to the
+It prints each figure, writes them to ``benchmarks/results/gpu/gpu_check.json`` (not beside
+the peer benchmarks' results, which ``make_doc.py`` renders as a table) and to the
 section between ``<!-- gpu: python benchmarks/gpu_check.py -->`` and ``<!-- /gpu -->`` of
 docs/benchmarks.md, next to NVIDIA's published per-GPU figures. ``--device cpu --quick``
 runs every part at toy sizes on the CPU (what the test suite does to keep this script
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bert-batch", type=int, default=32)
     p.add_argument("--quick", action="store_true", help="toy sizes (a smoke test of this script)")
     p.add_argument("--skip-tests", action="store_true", help="leave out the pytest part")
-    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "gpu_check.json"))
+    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "gpu" / "gpu_check.json"))
     p.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"))
     args = p.parse_args(argv)
     check_rounds(args.rounds)
