@@ -110,6 +110,43 @@ def scaling_factor(w: Workload, workers: int, gbps: float, latency: float) -> fl
     return w.compute_time / (w.compute_time + exposed)
 
 
+def bucketed_step_time(
+    w: Workload,
+    workers: int,
+    gbps: float,
+    latency: float,
+    buckets: Sequence[tuple[float, float]],
+    optimizer_share: float = 0.0,
+) -> float:
+    """Seconds per step of DDP's bucketed all-reduce on one link, from when each bucket is ready.
+
+    ``buckets`` is DDP's buckets in launch order, each ``(ready, nbytes)``: ``ready`` the
+    fraction of ``T_c`` after which the bucket's gradients are complete (measured in one
+    process, e.g. with a communication hook's timestamps), ``nbytes`` its size.
+    ``optimizer_share`` is the fraction of ``T_c`` spent after the backward (the optimizer
+    step), which waits for every bucket. A bucket's all-reduce starts when it is ready and
+    the previous one has finished (one collective at a time on the link) and takes its share
+    of :func:`comm_time` (``nbytes / sum of nbytes`` of the whole gradient's time)::
+
+        done_0 = 0;  done_i = max(ready_i T_c, done_{i-1}) + T_comm nbytes_i / G
+        T_step = max((1 - optimizer_share) T_c, done_last) + optimizer_share T_c
+
+    This replaces the flat overlap ``o`` when the buckets' timing is known: the overlap a
+    bucket gets is the backward that is left after it is ready, not a fixed share.
+    """
+    total = sum(nbytes for _, nbytes in buckets)
+    if total <= 0:
+        raise ValueError("buckets: need at least one bucket with bytes")
+    comm = comm_time(w, workers, gbps, latency)
+    done = 0.0
+    for ready, nbytes in buckets:
+        if not 0.0 <= ready <= 1.0:
+            raise ValueError(f"bucket ready fraction {ready}: must be in [0, 1]")
+        done = max(ready * w.compute_time, done) + comm * nbytes / total
+    backward_end = (1.0 - optimizer_share) * w.compute_time
+    return max(backward_end, done) + optimizer_share * w.compute_time
+
+
 def needed_ratio(w: Workload, workers: int, gbps: float, latency: float, target: float) -> float:
     """The compression ratio (relative to dense fp32) that reaches scaling factor ``target``."""
     if not 0 < target <= 1:

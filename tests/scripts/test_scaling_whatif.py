@@ -40,6 +40,29 @@ def _load():
 whatif = _load()
 
 
+def test_bucketed_step_time_by_hand():
+    """Two buckets on 8 workers at 10 Gbps, no latency: the whole gradient's all-reduce takes
+    0.14 s; a bucket of a quarter of the bytes ready at 20 % of a 0.1 s step runs
+    0.02-0.055 s, the rest, ready at 60 %, runs 0.06-0.165 s, and the optimizer (the last
+    10 % of the step) follows: 0.175 s."""
+    w = whatif.Workload(compute_time=0.1, grad_bytes=100e6)
+    assert whatif.comm_time(w, 8, 10, 0.0) == pytest.approx(0.14)
+    buckets = [(0.2, 1.0), (0.6, 3.0)]
+    assert whatif.bucketed_step_time(w, 8, 10, 0.0, buckets, optimizer_share=0.1) == pytest.approx(
+        0.06 + 0.75 * 0.14 + 0.01
+    )
+    # a link slow enough that the second bucket waits for the first: 10x the bytes
+    slow = whatif.Workload(compute_time=0.1, grad_bytes=w.grad_bytes * 10)
+    assert whatif.bucketed_step_time(
+        slow, 8, 10, 0.0, buckets, optimizer_share=0.1
+    ) == pytest.approx(0.02 + 1.4 + 0.01)
+    # no communication left after the backward: the compute alone
+    tiny = whatif.Workload(compute_time=0.1, grad_bytes=1.0)
+    assert whatif.bucketed_step_time(tiny, 8, 10, 0.0, buckets) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="ready fraction"):
+        whatif.bucketed_step_time(w, 8, 10, 0.0, [(1.5, 1.0)])
+
+
 def test_ring_allreduce_scaling_factor_by_hand():
     # T_c = 0.1 s, G = 100 MB, 8 workers, 10 Gbps = 1.25e9 B/s, no latency, no overlap:
     # T_comm = 2 * 7/8 * 1e8 / 1.25e9 = 0.14 s; f = 0.1 / 0.24.
