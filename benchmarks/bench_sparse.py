@@ -72,6 +72,7 @@ from trainers.comm.sparse import (  # noqa: E402
     estimate_features,
     sparse_allreduce,
 )
+from trainers.netlab import interface_tx_bytes  # noqa: E402
 
 OURS = ("auto", "recursive_doubling", "split_allgather", "allgather", "dense")
 PEERS = ("peer_allgather", "peer_dense")
@@ -148,20 +149,6 @@ def timed(fn) -> tuple[float, object]:
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed), out
-
-
-def interface_tx_bytes(ifname: str = "eth0") -> int | None:
-    """Bytes this process's network namespace sent through ``ifname`` (``/proc/net/dev``, which
-    shows the reader's namespace); ``None`` where there is no such interface (loopback mode)."""
-    try:
-        with open("/proc/net/dev", encoding="ascii") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name.strip() == ifname:
-                    return int(rest.split()[8])
-    except OSError:
-        return None
-    return None
 
 
 def tcp_retransmits() -> int | None:

@@ -66,6 +66,7 @@ if str(ROOT) not in sys.path:
 
 from modelzoo.nlp.bert import BertConfig, BertForQuestionAnswering  # noqa: E402
 from trainers._dtensor import local_tensor  # noqa: E402
+from trainers.netlab import interface_tx_bytes  # noqa: E402
 from trainers.parallel.plan import (  # noqa: E402
     BlockProfile,
     Network,
@@ -241,20 +242,6 @@ def time_rounds(step, rounds: int, warmup: int) -> list[float]:
         if r >= warmup:
             times.append(t.item())
     return times
-
-
-def interface_tx_bytes(ifname: str = "eth0") -> int | None:
-    """Bytes this process's network namespace sent through ``ifname`` (``/proc/net/dev``);
-    ``None`` where there is no such interface (loopback)."""
-    try:
-        with open("/proc/net/dev", encoding="ascii") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name.strip() == ifname:
-                    return int(rest.split()[8])
-    except OSError:
-        return None
-    return None
 
 
 def measure(rank: int, world: int, args: argparse.Namespace, network: Network | None) -> list:

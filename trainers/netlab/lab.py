@@ -45,6 +45,7 @@ __all__ = [
     "NodeCounters",
     "burst_bytes",
     "format_rate",
+    "interface_tx_bytes",
     "list_labs",
     "missing_requirements",
     "node_address",
@@ -108,6 +109,21 @@ def node_address(node: int) -> str:
     if not 0 <= node < MAX_NODES:
         raise ValueError(f"node {node}: the lab has nodes 0 to {MAX_NODES - 1}")
     return str(LAB_NETWORK.network_address + FIRST_HOST + node)
+
+
+def interface_tx_bytes(ifname: str = NODE_IFNAME) -> int | None:
+    """Bytes the caller's own network namespace sent through ``ifname`` (``/proc/net/dev``
+    shows the reader's namespace): what a rank inside a lab node measures of itself.
+    ``None`` where there is no such interface (on loopback, outside a lab)."""
+    try:
+        with open("/proc/net/dev", encoding="ascii") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == ifname:
+                    return int(rest.split()[8])
+    except OSError:
+        return None
+    return None
 
 
 def _tool(name: str) -> str | None:
