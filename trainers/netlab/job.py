@@ -26,11 +26,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from .lab import Lab, LabError, _kill_in
+from .lab import Lab, LabError, _kill_in, format_rate
 
 __all__ = [
     "CONTROL_ADDRESS",
@@ -154,17 +155,12 @@ def torchrun_argv(
         conf.append(ELASTIC_RDZV_CONF)
     if extra_rdzv_conf:
         conf.append(extra_rdzv_conf)
-    script = list(command)
-    if script and script[0].endswith(".py"):
-        run = script
-    else:  # "-m module ..." or a module name
-        run = ["-m", *script[1:]] if script[0] == "-m" else script
     return [
         python, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d",
         f"--rdzv-endpoint={host}:{RDZV_PORT}", f"--rdzv-id={rdzv_id}",
         f"--rdzv-conf={','.join(conf)}", f"--local-addr={lab.address(node)}",
-        f"--max-restarts={max_restarts}", "--monitor-interval=0.5", *run,
+        f"--max-restarts={max_restarts}", "--monitor-interval=0.5", *command,
     ]  # fmt: skip
 
 
@@ -208,8 +204,9 @@ def run_job(
         rdzv_on_control = (min_nodes is not None and min_nodes < lab.nodes) or (
             partition is not None and partition.node == 0
         )
-    log_dir = Path(log_dir) if log_dir is not None else Path(
-        __import__("tempfile").mkdtemp(prefix=f"netlab_{lab.name}_"))  # fmt: skip
+    log_dir = Path(
+        log_dir if log_dir is not None else tempfile.mkdtemp(prefix=f"netlab_{lab.name}_")
+    )
     log_dir.mkdir(parents=True, exist_ok=True)
     base = dict(os.environ if env is None else env)
     base.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
@@ -218,9 +215,7 @@ def run_job(
         base.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     else:
         base["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    repo_path = str(Path(__file__).resolve().parents[2])
-    base["PYTHONPATH"] = repo_path + (os.pathsep + base["PYTHONPATH"] if base.get("PYTHONPATH")
-                                      else "")  # fmt: skip
+    _import_from_here(base)
 
     procs: list[subprocess.Popen] = []
     outs = []
@@ -308,7 +303,7 @@ def run_job(
     wall = time.monotonic() - start
     return JobResult(
         nodes=lab.nodes,
-        caps=[None if c is None else _fmt(c) for c in lab.caps.values()],
+        caps=[None if c is None else format_rate(c) for c in lab.caps.values()],
         exit_codes=[p.returncode for p in procs],
         wall_seconds=wall,
         tx_bytes=[(a - b).tx_bytes for a, b in zip(after, before, strict=True)],
@@ -319,10 +314,11 @@ def run_job(
     )
 
 
-def _fmt(rate: int) -> str:
-    from .lab import format_rate
-
-    return format_rate(rate)
+def _import_from_here(env: dict[str, str]) -> None:
+    """Put this checkout first on ``env``'s ``PYTHONPATH``, so that processes started in the
+    lab's namespaces import the same ``trainers`` (and scripts' ``modelzoo``) as the caller."""
+    repo = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
 
 
 def _wait_for_port(lab: Lab, host: str, port: int, timeout: float) -> None:
@@ -359,9 +355,7 @@ def start_ranks(
     each node, rank ``node * nproc_per_node + local``, torchrun's variables set, the default
     process group's store on node 0's address. The caller waits for the processes."""
     base = dict(os.environ if env is None else env)
-    repo_path = str(Path(__file__).resolve().parents[2])
-    base["PYTHONPATH"] = repo_path + (os.pathsep + base["PYTHONPATH"] if base.get("PYTHONPATH")
-                                      else "")  # fmt: skip
+    _import_from_here(base)
     world = lab.nodes * nproc_per_node
     procs = []
     for node in range(lab.nodes):
