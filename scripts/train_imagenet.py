@@ -60,6 +60,7 @@ from trainers.cli import (
     run_configs,
     unsplit_for_saving,
 )
+from trainers.hooks import StopAtTarget
 
 # The built-in default: what a newcomer gets with no data flags. Measured on seed 0 (AVX2
 # pins, docs/training.md): the GluonCV-like 8 epochs at lr 0.1 with flips reached 0.9526 and
@@ -198,6 +199,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--num-epochs", "--epochs", dest="num_epochs", type=int, default=None)
     o.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
     o.add_argument(
+        "--target-top1", type=float, default=None, metavar="ACC",
+        help="time to accuracy: stop at the first evaluation with held-out top-1 >= ACC (0-1); "
+        "the end record gets time_to_target",
+    )  # fmt: skip
+    o.add_argument(
         "--label-smoothing",
         type=float,
         nargs="?",
@@ -310,6 +316,8 @@ def _resume_path(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.target_top1 is not None and not 0 < args.target_top1 <= 1:
+        raise SystemExit(f"--target-top1 {args.target_top1}: give a held-out top-1 in (0, 1]")
     env = DistEnv.from_env()
     apply_plan(args, env, model_name=args.model, batch_size=args.batch_size,
                accumulate=args.accumulate, image_size=args.input_size)  # fmt: skip
@@ -390,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
         hard_weight=args.hard_weight,
     )
     hooks: list[Any] = [task]
+    if args.target_top1 is not None:
+        if val_set is None:
+            raise SystemExit("--target-top1 needs a validation set (--data-dir with val/)")
+        hooks.append(StopAtTarget("top1", args.target_top1))
     if args.dropblock_prob > 0:
         hooks.append(DropBlockRamp(model, args.num_epochs))
     ema = build_ema(args, model, eval_dataset=val_set)  # --model-ema: evaluated as ema_top1

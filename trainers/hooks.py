@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import math
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["EarlyStopping"]
+__all__ = ["EarlyStopping", "StopAtTarget"]
 
 
 class EarlyStopping:
@@ -75,3 +77,51 @@ class EarlyStopping:
         self.best = tuple(best) if isinstance(best, list) else best
         self.best_metrics, self.bad = dict(state["best_metrics"]), int(state["bad"])
         self.best_state = state["best_state"]
+
+
+class StopAtTarget:
+    """Time to accuracy (MLPerf's rule): stop at the first evaluation whose ``metric``
+    reaches ``target``, and report when that happened.
+
+    Args:
+        metric: the evaluation metric, e.g. ``"top1"`` (higher is better).
+        target: stop once ``metrics[metric] >= target``.
+
+    The end record gets ``target`` and ``target_reached`` (bool); when reached, also
+    ``time_to_target`` (wall-clock seconds from the start of ``fit`` to the end of that
+    evaluation, evaluations included) and ``target_step``/``target_epoch``. A run that never
+    reaches it trains to its end and says ``target_reached: false``.
+    """
+
+    def __init__(self, metric: str, target: float) -> None:
+        if not math.isfinite(target):
+            raise ValueError(f"target must be a finite number, got {target}")
+        self.metric, self.target = metric, float(target)
+        self.start: float | None = None
+        self.reached: dict[str, float] = {}
+
+    def on_train_start(self, trainer: Any) -> None:
+        if self.start is None:
+            self.start = time.perf_counter()
+
+    def on_eval_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+        value = metrics.get(self.metric)
+        if value is None:
+            raise KeyError(f"StopAtTarget: the evaluation has no {self.metric!r} (it has "
+                           f"{', '.join(sorted(metrics))})")  # fmt: skip
+        if self.reached or not value >= self.target:
+            return
+        start = self.start if self.start is not None else time.perf_counter()
+        self.reached = {
+            "time_to_target": time.perf_counter() - start,
+            "target_step": trainer.global_step,
+            "target_epoch": trainer.epoch,
+        }
+        trainer.logger.info(
+            f"Target {self.metric} {self.target} reached at step {trainer.global_step} "
+            f"({value:.4f}, {self.reached['time_to_target']:.1f} s): stopping"
+        )
+        trainer.request_stop()
+
+    def final_metrics(self) -> dict[str, Any]:
+        return {"target": self.target, "target_reached": bool(self.reached), **self.reached}
