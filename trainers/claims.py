@@ -8,7 +8,9 @@ mean, (sample) standard deviation, min and max, and the claim a fresh run must m
 A recipe with a single published seed has no spread to speak of: its claim is its documented
 minimum and ``std`` is null. ``status`` is ``"published"`` when every log carries a machine
 fingerprint (made by ``scripts/publish.py``) and ``"legacy"`` when none does (a log written
-before fingerprints existed, listed until it is republished over seeds). ``scripts/publish.py`` writes the file; ``scripts/reproduce.py
+before fingerprints existed, listed until it is republished over seeds). A recipe declared
+with ``min_seeds=1`` is ``"single-seed"``: one fingerprinted run, a measurement rather than a
+claim over seeds (the lab study's modes outside its best ones), marked so in every table. ``scripts/publish.py`` writes the file; ``scripts/reproduce.py
 --full`` checks a fresh run against it; the tests recompute every number from the logs.
 
 Example:
@@ -157,8 +159,10 @@ def make_recipe(
         "values": values,
         **stats,
         "claim": claim_value(documented_minimum, stats["mean"], stats["std"]),
-        # "legacy": logs written before fingerprints, one seed each, awaiting republication
-        "status": "published" if all(fingerprinted) else "legacy",
+        # "legacy": logs written before fingerprints, one seed each, awaiting republication;
+        # "single-seed": declared as one run (min_seeds=1), not a claim over seeds
+        "status": ("legacy" if not all(fingerprinted)
+                   else "single-seed" if min_seeds == 1 else "published"),  # fmt: skip
     }
 
 

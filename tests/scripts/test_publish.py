@@ -234,3 +234,15 @@ def test_docs_table_shows_fractions_in_percent_and_other_metrics_as_they_are():
     table = publish.render_table(claims, ["f1", "acc"])
     assert "| 13.49 ± 0.32 (5) | 13.05 | 13.82 | ≥ 13.00 |" in table
     assert "| 97.12 % ± 0.31 % (5) | 96.77 % | 97.55 % | ≥ 96.00 % |" in table
+
+
+def test_a_recipe_declared_with_one_seed_is_marked_single_seed(fake_repo):
+    claims = fake_repo / "logs" / "claims.json"
+    rc = _run("--claims", str(claims), "run", "one", "--seeds", "0", "--metric", "top1",
+              "--minimum", "0.85", "--min-seeds", "1", "--description", "one run", "--threads",
+              "1", "--", "scripts/fake.py")  # fmt: skip
+    assert rc == 0
+    entry = load_claims(claims)["recipes"]["one"]
+    assert entry["status"] == "single-seed" and entry["n"] == 1 and entry["std"] is None
+    assert entry["claim"] == 0.85  # no spread: the documented minimum
+    assert "| single-seed |" in publish.render_table({"recipes": {"one": entry}}, ["one"])
