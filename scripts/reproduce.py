@@ -417,6 +417,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LogError as e:
         print(f"reproduce.py: error: {e}", file=sys.stderr)
         return 2
+    if not any(r.get("kind") == "end" for r in original):
+        steps = [r["step"] for r in original if _is_number(r.get("step"))]
+        where = f"its last record is at step {max(steps)}" if steps else "it has no step record"
+        print(
+            f"reproduce.py: error: {args.log} has no end record: that run never finished ({where}); "
+            "there is nothing to reproduce. Pass the log of a finished run",
+            file=sys.stderr,
+        )
+        return 2
     recipe_name, recipe = "", {}
     if args.full:
         try:  # a missing or unlisted claim fails before the rerun is spent

@@ -191,7 +191,7 @@ def _published_log(tmp_path, extra_args=(), fingerprint="here"):
     records = [header] + [
         {"kind": "step", "epoch": 0, "step": s, "loss": 1.0 / s, "samples_per_sec": 9.0}
         for s in range(1, 7)
-    ]
+    ] + [{"kind": "end", "steps": 6}]
     log = tmp_path / "published.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
     return log
@@ -223,6 +223,16 @@ def test_main_rejects_log_without_header(tmp_path, capsys, content):
     log.write_text(content)
     assert reproduce.main([str(log)]) == 2
     assert "header" in capsys.readouterr().err
+
+
+def test_main_refuses_a_log_that_never_finished(tmp_path, capsys):
+    log = _published_log(tmp_path)
+    records = log.read_text().splitlines()
+    log.write_text("\n".join(records[:-1]) + "\n")  # the end record is gone: a stopped run
+    assert reproduce.main([str(log), "--python", sys.executable]) == 2
+    err = capsys.readouterr().err
+    assert "no end record" in err and "never finished" in err and "step 6" in err
+    assert "Traceback" not in err
 
 
 def test_rerun_uses_the_original_thread_count_and_pins():
