@@ -50,6 +50,8 @@ setup(
         # transformers: the BERT parity oracle (BertModel, BertTokenizerFast).
         "test": [
             "pytest>=8",
+            # property tests of the scripts' flag checks (tests/scripts/test_flag_errors.py)
+            "hypothesis>=6.100",
             "onnx>=1.16",
             "onnxscript>=0.2",
             "onnxruntime>=1.18",
@@ -64,6 +66,7 @@ setup(
         "dev": [
             "ruff>=0.6",
             "pytest>=8",
+            "hypothesis>=6.100",
             "onnx>=1.16",
             "onnxscript>=0.2",
             "onnxruntime>=1.18",

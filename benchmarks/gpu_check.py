@@ -284,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bert-batch", type=int, default=32)
     p.add_argument("--quick", action="store_true", help="toy sizes (a smoke test of this script)")
     p.add_argument("--skip-tests", action="store_true", help="leave out the pytest part")
-    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "gpu" / "gpu_check.json"))
+    p.add_argument(
+        "--json", default=str(ROOT / "benchmarks" / "results" / "gpu" / "gpu_check.json")
+    )
     p.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"))
     args = p.parse_args(argv)
     check_rounds(args.rounds)

@@ -5,10 +5,11 @@
 >>> pipeline("image-classification", "resnest50")("cat.jpg")  # doctest: +SKIP
 """
 
-# Importing the families (graph, nlp.bert, vision.resnest) registers their builders.
+# Importing the families (graph, nlp.bert, vision.resnest) registers their builders;
+# graph.datasets and nlp.squad register their public data sets (modelzoo.data).
 from . import graph  # noqa: F401  (registration side effect)
 from .artifact import load_artifact, save_artifact
-from .nlp import bert  # noqa: F401  (registration side effect)
+from .nlp import bert, squad  # noqa: F401  (registration side effect)
 from .pipelines import pipeline
 from .registry import get_model, get_weights, list_models, register_model
 from .store import purge

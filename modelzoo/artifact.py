@@ -3,8 +3,8 @@
 A training script's ``--export-dir DIR`` (or :func:`save_artifact`) writes
 
 * ``modelzoo.json`` — what the model is (its registry name and builder options), its task,
-  the preprocessing its evaluation used, the class names, the run's final metrics and the
-  command that trained it;
+  the preprocessing its evaluation used, the class names, the run's final metrics, the
+  command that trained it, and ``files``: the sha256 of every other file of the folder;
 * ``model.safetensors`` — the weights (for BERT: the Hugging Face layout, with its
   ``config.json``, ``vocab.txt`` and ``tokenizer_config.json``, so ``transformers`` reads the
   same folder).
@@ -14,7 +14,13 @@ preprocessing is rebuilt by the same functions the training script's evaluation 
 (:func:`modelzoo.vision.transforms.eval_transforms`, the SQuAD windowing of
 :func:`modelzoo.nlp.squad.make_features`, :class:`modelzoo.graph.transforms.NodeFeatures`),
 so training and serving cannot drift apart (ML.NET's lesson). The folder is written under a
-temporary name and renamed into place: a failed export leaves nothing behind.
+temporary name and renamed into place: a failed export leaves nothing behind. Weights with a
+NaN or infinite value are refused before anything is written.
+
+Loading checks every file against the sha256 that ``modelzoo.json`` records: a file changed
+or corrupted since the export (one flipped byte of ``model.safetensors``) is an
+:class:`ArtifactError` naming it, never different predictions. Folders written before the
+hashes were recorded (no ``files`` field) still load, unchecked.
 
 Example:
     >>> save_artifact("runs/digits/export", model, model_name="resnest14",  # doctest: +SKIP
@@ -31,7 +37,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -240,7 +246,8 @@ def save_artifact(
 
     Raises:
         ArtifactError: an unknown task, labels that do not match ``num_classes``, missing
-            preprocessing or tokenizer, or fields that are not JSON data.
+            preprocessing or tokenizer, fields that are not JSON data, or weights with a NaN
+            or infinite value (nothing is written).
     """
     if task not in TASKS:
         raise ArtifactError(f"save_artifact: task must be one of {sorted(TASKS)}, got {task!r}")
@@ -287,6 +294,13 @@ def save_artifact(
         get_model_entry(model_name)  # an unknown name fails now, not when loading
 
     directory = Path(directory).expanduser()
+    bad = _nonfinite_weight(state_dict if state_dict is not None else model.state_dict())
+    if bad is not None:
+        raise ArtifactError(
+            f"save_artifact: weight {bad!r} has a non-finite value (NaN or inf): the model "
+            f"diverged, so nothing was written to {directory}; export a model from before the "
+            "divergence (retrain with a lower learning rate)"
+        )
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.partial-"))
     try:
@@ -301,6 +315,7 @@ def save_artifact(
 
             target = model if state_dict is None else _with_state(model, state_dict)
             save_model(target, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        meta["files"] = _file_hashes(tmp)  # every file but modelzoo.json, verified on load
         text = json.dumps(meta, indent=2) + "\n"
         (tmp / ARTIFACT_FILE).write_text(text, encoding="utf-8")
         if directory.exists():
@@ -317,6 +332,55 @@ def save_artifact(
     return directory
 
 
+def _nonfinite_weight(state: Mapping[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor of ``state`` with a NaN or inf value."""
+    named = [(n, t.detach()) for n, t in state.items() if torch.is_floating_point(t)]
+    if not named:
+        return None
+    with torch.no_grad():
+        finite = [bool(ok) for ok in torch.stack([torch.isfinite(t).all().cpu() for _, t in named])]
+    return next((n for (n, _), ok in zip(named, finite, strict=True) if not ok), None)
+
+
+def _file_hashes(directory: Path) -> dict[str, str]:
+    """``{relative posix path: sha256}`` of every file under ``directory`` but the metadata."""
+    from .store import file_hash
+
+    return {
+        path.relative_to(directory).as_posix(): file_hash(path)
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.relative_to(directory).as_posix() != ARTIFACT_FILE
+    }
+
+
+def _verify_files(directory: Path, files: Any, meta_path: Path) -> None:
+    """Check each file against the sha256 ``modelzoo.json`` records for it."""
+    from .store import file_hash
+
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in files.items()
+    ):
+        raise ArtifactError(f"{meta_path}: field 'files' must map file names to sha256 digests")
+    again = (
+        "export the model again (the training script's --export-dir, or save_artifact) or "
+        "download the artifact folder again"
+    )
+    for name, expected in sorted(files.items()):
+        relative = PurePosixPath(name)
+        if relative.is_absolute() or ".." in relative.parts:
+            raise ArtifactError(f"{meta_path}: field 'files' names {name!r}, outside the folder")
+        path = directory / relative
+        if not path.is_file():
+            raise ArtifactError(f"{path}: missing, but {ARTIFACT_FILE} lists it; {again}")
+        actual = file_hash(path)
+        if actual != expected.lower():
+            raise ArtifactError(
+                f"{path}: its sha256 {actual[:12]}... is not the {expected[:12]}... that "
+                f"{ARTIFACT_FILE} records: the file changed or was corrupted after the export; "
+                f"{again}"
+            )
+
+
 def _with_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> nn.Module:
     import copy
 
@@ -325,12 +389,18 @@ def _with_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> nn.Modul
     return clone
 
 
-def load_artifact(path: str | os.PathLike[str]) -> Artifact:
-    """Reads ``path/modelzoo.json`` (checked field by field).
+def load_artifact(path: str | os.PathLike[str], *, verify: bool = True) -> Artifact:
+    """Reads ``path/modelzoo.json`` (checked field by field) and verifies the folder's files.
+
+    Args:
+        path: the artifact folder.
+        verify: check every file against the sha256 recorded in ``files`` (default). A folder
+            written before the hashes were recorded has no ``files`` and loads unchecked.
 
     Raises:
-        ArtifactError: not an artifact folder, unreadable JSON, a newer format, or a field
-            missing or of the wrong type (the message names it).
+        ArtifactError: not an artifact folder, unreadable JSON, a newer format, a field
+            missing or of the wrong type (the message names it), or a file that is missing
+            or whose sha256 differs from the recorded one (the message names the file).
     """
     directory = Path(path).expanduser()
     meta_path = directory / ARTIFACT_FILE
@@ -386,4 +456,6 @@ def load_artifact(path: str | os.PathLike[str]) -> Artifact:
         missing = sorted({"input_size", "crop_ratio", "mean", "std"} - set(artifact.preprocessing))
         if missing:
             raise ArtifactError(f"{meta_path}: field 'preprocessing' lacks {missing}")
+    if verify and meta.get("files") is not None:
+        _verify_files(directory, meta["files"], meta_path)
     return artifact

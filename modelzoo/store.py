@@ -7,6 +7,10 @@ behaviour users trust in GluonCV's ``model_store``, rebuilt on :mod:`urllib`:
   ``~/.cache/modelzoo/weights``).
 * ``$MODELZOO_REPO_URL`` replaces the download base with a mirror that serves the same
   file names; ``MODELZOO_OFFLINE=1`` never touches the network.
+* Public data sets (:mod:`modelzoo.data`) come through :func:`fetch_data` with the same
+  guarantees, into the data set's folder (default under ``datasets_dir()``,
+  ``$MODELZOO_HOME/datasets``); their mirror is ``$MODELZOO_DATA_URL`` (a weights mirror
+  serves no data files).
 * A download streams into a temporary file in the destination directory, is hashed while
   it streams, verified against the published hash prefix and only then renamed into
   place with :func:`os.replace`, under a :class:`filelock.FileLock` so that many processes
@@ -53,6 +57,8 @@ __all__ = [
     "cache_root",
     "download_to",
     "fetch",
+    "datasets_dir",
+    "fetch_data",
     "file_hash",
     "package_path",
     "purge",
@@ -62,12 +68,16 @@ __all__ = [
 
 ENV_HOME = "MODELZOO_HOME"
 ENV_REPO_URL = "MODELZOO_REPO_URL"
+ENV_DATA_URL = "MODELZOO_DATA_URL"
 ENV_OFFLINE = "MODELZOO_OFFLINE"
 PACKAGE_SCHEME = "package://"
 
+#: Git's object id of a file (sha1 of ``b"blob <size>\\0"`` + the bytes): what a GitHub
+#: repository pins for every file it serves raw (``git ls-tree``, ``git hash-object``).
+GIT_SHA1 = "git-sha1"
 #: Hash algorithms that publishers use: GluonCV publishes sha1 prefixes, the official
-#: ResNeSt release and this project sha256 prefixes.
-HASH_ALGOS = ("sha256", "sha1")
+#: ResNeSt release and this project sha256 prefixes, a git repository its blob ids.
+HASH_ALGOS = ("sha256", "sha1", GIT_SHA1)
 #: Shortest accepted hash prefix; publishers use 8 hex characters.
 MIN_HASH_PREFIX = 8
 
@@ -102,23 +112,30 @@ def weights_dir() -> pathlib.Path:
     return cache_root() / "weights"
 
 
-def resolve_url(url: str) -> str:
-    """Apply the ``$MODELZOO_REPO_URL`` mirror override to ``url``.
+def datasets_dir() -> pathlib.Path:
+    """Return the default parent of data-set folders: ``cache_root() / "datasets"``."""
+    return cache_root() / "datasets"
+
+
+def resolve_url(url: str, env: str = ENV_REPO_URL) -> str:
+    """Apply a mirror override (``$MODELZOO_REPO_URL``, or ``env``) to ``url``.
 
     Args:
         url: The published download URL.
+        env: The variable holding the mirror base: :data:`ENV_REPO_URL` (weights) or
+            :data:`ENV_DATA_URL` (data sets).
 
     Returns:
-        ``MODELZOO_REPO_URL.rstrip("/") + "/" + <file name of url>`` when the variable is
-        set, otherwise ``url`` unchanged.
+        ``<mirror>.rstrip("/") + "/" + <file name of url>`` when the variable is set,
+        otherwise ``url`` unchanged.
     """
-    base = os.environ.get(ENV_REPO_URL)
+    base = os.environ.get(env)
     if not base:
         return url
     name = posixpath.basename(urllib.parse.urlsplit(url).path)
     if not name:
         raise ValueError(
-            f"Cannot apply {ENV_REPO_URL}={base!r} to {url!r}: the URL has no file name to "
+            f"Cannot apply {env}={base!r} to {url!r}: the URL has no file name to "
             "append to the mirror base. Use a URL that ends in the file name."
         )
     return base.rstrip("/") + "/" + name
@@ -129,13 +146,13 @@ def file_hash(path: str | os.PathLike[str], algo: str = "sha256") -> str:
 
     Args:
         path: File to hash.
-        algo: ``"sha256"`` or ``"sha1"``.
+        algo: ``"sha256"``, ``"sha1"`` or ``"git-sha1"`` (git's blob id of the file).
 
     Returns:
         The full lower-case hex digest.
     """
     _check_algo(algo)
-    digest = hashlib.new(algo)
+    digest = _new_digest(algo, os.path.getsize(path))
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK_SIZE):
             digest.update(chunk)
@@ -182,35 +199,95 @@ def fetch(
         _check_member_name(archive_member)
     if url.startswith(PACKAGE_SCHEME):
         return _fetch_package(url, prefix, hash_algo)
-    dest = weights_dir() / file_name
-    url = resolve_url(url)
+    return _fetch_verified(
+        url, weights_dir() / file_name, prefix, hash_algo, archive_member=archive_member,
+        progress=progress, timeout=timeout, mirror_env=ENV_REPO_URL, kind="weight file",
+    )  # fmt: skip
 
+
+def fetch_data(
+    url: str,
+    dest: str | os.PathLike[str],
+    *,
+    hash_prefix: str,
+    hash_algo: str = "sha256",
+    progress: bool = True,
+    timeout: float = 60.0,
+) -> pathlib.Path:
+    """Return ``dest``, a verified copy of a published data file, downloading it if needed.
+
+    The guarantees of :func:`fetch`, for a data set's file in its folder: the publisher's
+    hash is checked on every call (a cached copy that fails it is replaced once, then
+    :class:`ChecksumError`), the download streams into a temporary file beside ``dest`` and
+    is renamed into place only once verified, under a lock that makes concurrent processes
+    download it once; ``$MODELZOO_DATA_URL`` replaces the download base with a mirror that
+    serves the same file names; ``MODELZOO_OFFLINE=1`` never touches the network.
+
+    Args:
+        url: Where the publisher serves the file (``http(s)://`` or ``file://``).
+        dest: The path of the file (its folder is created).
+        hash_prefix: Full hex digest, or a prefix of at least 8 hex characters.
+        hash_algo: ``"sha256"``, ``"sha1"`` or ``"git-sha1"``.
+        progress: Show a tqdm bar on stderr (only when stderr is a terminal).
+        timeout: Seconds to wait for the connection and for each read.
+
+    Raises:
+        ValueError: An argument is malformed.
+        FileNotFoundError: ``MODELZOO_OFFLINE=1`` and the file is missing or corrupt (the
+            message names the file, its URL and where to put it).
+        DownloadError: The file could not be downloaded (the message names the URL, the
+            mirror variable and where to put the file by hand).
+        ChecksumError: The downloaded bytes do not match ``hash_prefix``; nothing is kept.
+    """
+    prefix = _check_hash_args(hash_prefix, hash_algo)
+    dest = pathlib.Path(dest)
+    _check_file_name(dest.name, "the file name of dest")
+    return _fetch_verified(
+        url, dest, prefix, hash_algo, archive_member=None, progress=progress, timeout=timeout,
+        mirror_env=ENV_DATA_URL, kind="data file",
+    )  # fmt: skip
+
+
+def _fetch_verified(
+    url: str,
+    dest: pathlib.Path,
+    prefix: str,
+    algo: str,
+    *,
+    archive_member: str | None,
+    progress: bool,
+    timeout: float,
+    mirror_env: str,
+    kind: str,
+) -> pathlib.Path:
+    url = resolve_url(url, mirror_env)
     if _is_offline():
-        return _fetch_offline(url, dest, prefix, hash_algo)
-    if dest.is_file() and file_hash(dest, hash_algo).startswith(prefix):
+        return _fetch_offline(url, dest, prefix, algo, kind)
+    if dest.is_file() and file_hash(dest, algo).startswith(prefix):
         return dest
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(dest) + _LOCK_SUFFIX):
         # Another process may have finished the download while this one waited.
         if dest.is_file():
-            actual = file_hash(dest, hash_algo)
+            actual = file_hash(dest, algo)
             if actual.startswith(prefix):
                 return dest
             warnings.warn(
-                f"Cached file {dest} has {hash_algo} {actual}, which does not start with the "
+                f"Cached file {dest} has {algo} {actual}, which does not start with the "
                 f"expected {prefix}; deleting it and downloading it again from {url}.",
-                stacklevel=2,
+                stacklevel=3,
             )
             dest.unlink()
         _download(
             url,
             dest,
             prefix=prefix,
-            algo=hash_algo,
+            algo=algo,
             archive_member=archive_member,
             progress=progress,
             timeout=timeout,
+            mirror=mirror_env,
         )
     return dest
 
@@ -243,7 +320,7 @@ def download_to(
             return dest
         _download(
             url, dest, prefix=prefix, algo=hash_algo, archive_member=None, progress=progress,
-            timeout=timeout, mirror=False,
+            timeout=timeout, mirror=None,
         )  # fmt: skip
     return dest
 
@@ -285,13 +362,25 @@ def _check_algo(algo: str) -> None:
     if algo not in HASH_ALGOS:
         raise ValueError(
             f"Unsupported hash_algo {algo!r}; use one of {', '.join(HASH_ALGOS)} "
-            "(GluonCV publishes sha1 prefixes, ResNeSt and modelzoo sha256)."
+            "(GluonCV publishes sha1 prefixes, ResNeSt and modelzoo sha256, git repositories "
+            "git-sha1 blob ids)."
         )
+
+
+def _new_digest(algo: str, size: int | None = None) -> hashlib._Hash:
+    """A hashlib object for ``algo``; ``git-sha1`` needs the file's ``size`` (git's header)."""
+    if algo != GIT_SHA1:
+        return hashlib.new(algo)
+    if size is None:
+        raise ValueError("a git-sha1 digest needs the size of the file")
+    digest = hashlib.sha1()
+    digest.update(b"blob %d\0" % size)
+    return digest
 
 
 def _check_hash_args(hash_prefix: str, hash_algo: str) -> str:
     _check_algo(hash_algo)
-    full = hashlib.new(hash_algo).digest_size * 2
+    full = hashlib.new("sha1" if hash_algo == GIT_SHA1 else hash_algo).digest_size * 2
     prefix = hash_prefix.lower() if isinstance(hash_prefix, str) else hash_prefix
     if (
         not isinstance(prefix, str)
@@ -337,16 +426,18 @@ def _is_offline() -> bool:
 # ----------------------------------------------------------------------------- offline
 
 
-def _fetch_offline(url: str, dest: pathlib.Path, prefix: str, algo: str) -> pathlib.Path:
+def _fetch_offline(
+    url: str, dest: pathlib.Path, prefix: str, algo: str, kind: str = "weight file"
+) -> pathlib.Path:
     if not dest.is_file():
         raise FileNotFoundError(
-            f"{ENV_OFFLINE} is set and the weight file {dest.name} is not cached. Download "
+            f"{ENV_OFFLINE} is set and the {kind} {dest.name} is not cached. Download "
             f"{url} by hand and place it at {dest} (or unset {ENV_OFFLINE})."
         )
     actual = file_hash(dest, algo)
     if not actual.startswith(prefix):
         raise FileNotFoundError(
-            f"{ENV_OFFLINE} is set and the cached weight file {dest.name} is corrupt: "
+            f"{ENV_OFFLINE} is set and the cached {kind} {dest.name} is corrupt: "
             f"{dest} has {algo} {actual}, expected a digest starting with {prefix}. Download "
             f"{url} by hand and place it at {dest} (or unset {ENV_OFFLINE})."
         )
@@ -407,16 +498,20 @@ def _fetch_package(url: str, prefix: str, algo: str) -> pathlib.Path:
 
 
 def _download_error(
-    url: str, dest: pathlib.Path, reason: str, mirror: bool = True
+    url: str, dest: pathlib.Path, reason: str, mirror: str | None = ENV_REPO_URL
 ) -> DownloadError:
+    """``mirror``: the variable that names a mirror for this file, or ``None`` (none)."""
     if not mirror:
         return DownloadError(
             f"Could not download {url}: {reason}. Check the URL and your connection, or place "
             f"the file by hand at {dest}."
         )
+    served = posixpath.basename(urllib.parse.urlsplit(url).path) or dest.name
+    if served != dest.name:  # an archive (GluonCV's .zip) holds the file
+        served = f"{served} (the archive holding {dest.name})"
     return DownloadError(
         f"Could not download {url}: {reason}. Check the URL and your connection, set "
-        f"{ENV_REPO_URL} to a mirror that serves {dest.name}, or place the file by hand at "
+        f"{mirror} to a mirror that serves {served}, or place the file by hand at "
         f"{dest} (and set {ENV_OFFLINE}=1 to never touch the network)."
     )
 
@@ -443,27 +538,31 @@ def _download(
     archive_member: str | None,
     progress: bool,
     timeout: float,
-    mirror: bool = True,
+    mirror: str | None = ENV_REPO_URL,
 ) -> None:
     """Download ``url`` (or its ``archive_member``) to ``dest`` via a verified temp file."""
     tmp_path = zip_path = None
+    # git's blob id hashes the size first: hash the finished temp file instead of the stream.
+    stream_algo = "sha1" if algo == GIT_SHA1 else algo
     try:
         with _temp_file(dest, _PART_SUFFIX) as tmp:
             tmp_path = tmp.name
             if archive_member is None:
-                actual = _stream(url, dest, tmp, algo, progress, timeout, mirror)
+                actual = _stream(url, dest, tmp, stream_algo, progress, timeout, mirror)
             else:
                 with _temp_file(dest, ".zip" + _PART_SUFFIX) as archive:
                     zip_path = archive.name
-                    _stream(url, dest, archive, algo, progress, timeout)
-                actual = _extract_member(url, dest, zip_path, archive_member, tmp, algo)
+                    _stream(url, dest, archive, stream_algo, progress, timeout)
+                actual = _extract_member(url, dest, zip_path, archive_member, tmp, stream_algo)
+        if algo == GIT_SHA1:
+            actual = file_hash(tmp_path, algo)
         if not actual.startswith(prefix):
             what = f"member {archive_member!r} of the archive" if archive_member else "the file"
             raise ChecksumError(
                 f"Checksum mismatch for {url}: {what} has {algo} {actual}, expected a digest "
                 f"starting with {prefix}. Nothing was kept at {dest}. The server or a proxy "
-                f"returned different bytes: check the URL or {ENV_REPO_URL}, or place a "
-                "verified copy there by hand."
+                f"returned different bytes: check the URL or {mirror or 'the server'}, or "
+                "place a verified copy there by hand."
             )
         os.replace(tmp_path, dest)
         tmp_path = None
@@ -480,7 +579,7 @@ def _stream(
     algo: str,
     progress: bool,
     timeout: float,
-    mirror: bool = True,
+    mirror: str | None = ENV_REPO_URL,
 ) -> str:
     """Copy the body of ``url`` into ``out``; return its hex digest."""
     request = urllib.request.Request(url, headers={"User-Agent": _USER_AGENT})

@@ -6,14 +6,18 @@ standard-library docstrings (:mod:`modelzoo.nlp.stdlib_squad`) and prints the he
 
     python scripts/finetune_squad.py
 
-SQuAD v1.1 with BERT-Base, as GluonNLP users know it (flag names are GluonNLP's):
+SQuAD v1.1 with BERT-Base, as GluonNLP users know it (flag names are GluonNLP's); the
+official files are fetched by name, verified against their published sha256, into
+``--data-dir`` (default ``$MODELZOO_HOME/datasets/squad``; docs/data.md):
 
-    python scripts/finetune_squad.py --bert-model bert_12_768_12 \\
-        --train-file train-v1.1.json --predict-file dev-v1.1.json \\
+    python scripts/finetune_squad.py --dataset squad1.1 --bert-model bert_12_768_12 \\
         --batch-size 12 --lr 3e-5 --epochs 2 --warmup-ratio 0.1 \\
         --max-seq-length 384 --doc-stride 128 --output-dir runs/squad11
 
-Add ``--version-2 --null-score-diff-threshold -1.0`` with the v2.0 files. The same command
+``--version-2`` (``--dataset squad2.0``) fetches SQuAD v2.0; ``--train-file``/``--predict-file``
+read your own files instead. GluonNLP's published commands (``python finetune_squad.py
+--optimizer adam --batch_size 12 --lr 3e-5 --epochs 2 --gpu``) run as written: like
+GluonNLP, they fetch SQuAD v1.1 (v2.0 with ``--version_2``). The same command
 under ``torchrun --nproc-per-node 8`` trains data-parallel (``--batch-size`` is per worker);
 ``--accumulate``, ``--dtype bfloat16|float16``, ``--optimizer adamw|lamb|lans`` and
 ``--grad-combine adasum`` work as in every script. ``--only-predict --model-parameters
@@ -52,17 +56,20 @@ from modelzoo.nlp.squad import (
     postprocess,
     read_squad,
     score_example,
+    squad_file,
     squad_v1_metrics,
     squad_v2_metrics,
     write_predictions,
 )
 from modelzoo.nlp.stdlib_squad import stdlib_squad
 from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
+from modelzoo.store import ChecksumError, DownloadError
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
 from trainers.checkpoint import load_checkpoint
 from trainers.cli import (
     DTYPES,
     ArgumentParser,
+    Bound,
     add_distributed_args,
     add_ema_args,
     add_export_args,
@@ -72,13 +79,18 @@ from trainers.cli import (
     add_tensorboard_args,
     apply_model_parallel,
     apply_plan,
+    brief,
     build_combiner,
     build_ema,
     build_optimizer,
+    describe_defaults,
     export_source,
+    print_config,
     run_configs,
+    run_main,
     unsplit_for_saving,
 )
+from trainers.errors import UsageError
 from trainers.logs import gluonnlp_step_line
 from trainers.schedules import create_schedule
 
@@ -107,15 +119,65 @@ SQUAD_DEFAULTS = dict(
 )
 
 
+#: ``--dataset`` names: the built-in set, and SQuAD's official files by version.
+DATASETS = ("stdlib", "squad1.1", "squad2.0")
+NAMED_VERSIONS = {"squad1.1": "1.1", "squad2.0": "2.0"}
+# GluonNLP's finetune_squad.py reads SQuAD v1.1 by name (gluonnlp.data.SQuAD) when given no
+# files, and every SQuAD command it publishes carries its --gpu; no command of this project
+# needs --gpu, so a command with it and no files gets GluonNLP's data set, not the built-in one.
+GLUONNLP_MARKERS = {"mxnet_gpu": "--gpu"}
+
+
+def resolve_dataset(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Sets ``args.dataset`` (stdlib, squad1.1, squad2.0 or files) and ``args.dataset_by``
+    (what chose it), and ``args.version_2`` for squad2.0; refuses contradictions."""
+    files = args.train_file is not None or args.predict_file is not None
+    named, by = args.dataset, "--dataset"
+    gluonnlp = [flag for dest, flag in GLUONNLP_MARKERS.items()
+                if getattr(args, dest, None) not in (None, False)]  # fmt: skip
+    if named == "stdlib" and (files or args.version_2):
+        p.error(
+            "--dataset stdlib is the built-in SQuAD 1.1-format set; drop --train-file, "
+            "--predict-file and --version-2, or name --dataset squad1.1 / squad2.0"
+        )
+    if named is None and not files:
+        if args.version_2:
+            named, by = "squad2.0", "--version-2"
+        elif gluonnlp:
+            named, by = "squad1.1", f"{gluonnlp[0]}: a GluonNLP command, GluonNLP's data set"
+        else:
+            named, by = "stdlib", "no data flags"
+    if named == "squad1.1" and args.version_2:
+        p.error("--dataset squad1.1 and --version-2 contradict: SQuAD 2.0 is --dataset squad2.0")
+    if named == "squad2.0":
+        args.version_2 = True
+    args.dataset = named or "files"
+    args.dataset_by = by if named else "--train-file/--predict-file"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(
         description="Fine-tune BERT on SQuAD (GluonNLP-compatible flags).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     d = p.add_argument_group("data (none given: the built-in stdlib-docstring set)")
+    d.add_argument(
+        "--dataset", type=str.lower, default=None, choices=DATASETS,
+        help="the data by name: squad1.1 or squad2.0 (the official files, fetched into "
+        "--data-dir and sha256-verified, as GluonNLP's SQuAD(...)) or stdlib (built in). "
+        "Default: stdlib; squad2.0 with --version-2 and no files; squad1.1 for a GluonNLP "
+        "command (one with GluonNLP's --gpu) without files",
+    )  # fmt: skip
+    d.add_argument(
+        "--data-dir", type=str, default=None,
+        help="folder of the named SQuAD files (default: $MODELZOO_HOME/datasets/squad)",
+    )  # fmt: skip
     d.add_argument("--train-file", type=str, default=None, help="SQuAD JSON to train on")
     d.add_argument("--predict-file", type=str, default=None, help="SQuAD JSON to evaluate on")
-    d.add_argument("--version-2", action="store_true", help="SQuAD 2.0 (unanswerable questions)")
+    d.add_argument(
+        "--version-2", action="store_true",
+        help="SQuAD 2.0 (unanswerable questions); without files: --dataset squad2.0",
+    )  # fmt: skip
     d.add_argument(
         "--skip-bad-examples",
         action="store_true",
@@ -181,6 +243,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument(
         "--clip-grad-norm", type=float, default=1.0, help="global gradient clipping (<= 0: none)"
     )
+    o.add_argument(
+        "--skip-nonfinite", type=int, default=0, metavar="N",
+        help="tolerate N optimizer steps with a non-finite loss: skip their updates (0: the "
+        "first one stops the run, naming the step)",
+    )  # fmt: skip
     o.add_argument("--dtype", type=str, default="float32", choices=sorted(DTYPES))
     o.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
     o.add_argument("--seed", type=int, default=6)
@@ -209,30 +276,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
 
     g = p.add_argument_group("logging and output")
-    g.add_argument("--output-dir", type=str, default="./output_dir")
+    g.add_argument(
+        "--output-dir", type=str, default="./output_dir",
+        help="the predictions and the fine-tuned model (a Hugging Face directory)",
+    )  # fmt: skip
     g.add_argument("--log-interval", type=int, default=None, help="optimizer steps per log line")
     g.add_argument("--run-log", type=str, default=None, help="JSON Lines run log")
     g.add_argument("--logging-file", type=str, default=None, help="also write console lines here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_mxnet_options("--gpu", "--gpus", "--num-gpus", "--kvstore", "--bert-dataset")
+    brief(p, "--dataset", "--train-file", "--predict-file", "--version-2", "--bert-model",
+          "--model-parameters", "--epochs", "--batch-size", "--dtype", "--only-predict",
+          "--output-dir", "--run-log")  # fmt: skip
+    describe_defaults(p, {"with the built-in set": BUILTIN_DEFAULTS,
+                          "with SQuAD's files (--dataset squad*, --train-file)": SQUAD_DEFAULTS})  # fmt: skip
     args = p.parse_args(argv)
 
-    builtin = args.train_file is None and args.predict_file is None
-    for key, value in (BUILTIN_DEFAULTS if builtin else SQUAD_DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.dataset = "stdlib" if builtin else "files"
+    resolve_dataset(p, args)
+    builtin = args.dataset == "stdlib"
+    named = args.dataset in NAMED_VERSIONS
+    defaults = BUILTIN_DEFAULTS if builtin else SQUAD_DEFAULTS
+    defaulted = {key for key in defaults if getattr(args, key) is None}
+    for key in defaulted:
+        setattr(args, key, defaults[key])
+    if "bert_model" in defaulted and not builtin:  # a 440 MB download: say which and why
+        print(f"note: --bert-model {args.bert_model}, the default with SQuAD's files (the "
+              f"built-in set's is {BUILTIN_DEFAULTS['bert_model']})", file=sys.stderr)  # fmt: skip
+    p.check(args, bounds=BOUNDS)
     if args.max_seq_length <= args.max_query_length + 3:
         p.error(
             f"--max-seq-length ({args.max_seq_length}) must be greater than --max-query-length "
             f"({args.max_query_length}) + 3"
         )
-    if args.only_predict and not builtin and args.predict_file is None:
-        p.error("--only-predict needs --predict-file")
-    if not args.only_predict and not builtin and args.train_file is None:
-        p.error("training needs --train-file (or pass --only-predict)")
-    if args.version_2 and builtin:
-        p.error("the built-in set is SQuAD 1.1; --version-2 needs --train-file/--predict-file")
+    if args.only_predict and not (builtin or named) and args.predict_file is None:
+        p.error("--only-predict needs --predict-file (or --dataset squad1.1/squad2.0)")
+    if not args.only_predict and not (builtin or named) and args.train_file is None:
+        p.error("training needs --train-file or --dataset squad1.1/squad2.0 (or --only-predict)")
     for flag, value in (("--pretrained-bert-parameters", args.pretrained_bert_parameters),
                         ("--model-parameters", args.model_parameters)):  # fmt: skip
         if value and not Path(value).exists():
@@ -242,7 +321,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              ("--plan", bool(args.plan))) if on]  # fmt: skip
     if args.unpad and split:
         p.error(f"--unpad does not run on a model split by {split[0]}; drop one of the two")
-    return args
+    return p.finish(args)
+
+
+# The script's own flags' ranges (the shared ones: trainers.cli.BOUNDS).
+BOUNDS = {
+    "max_seq_length": Bound(1), "doc_stride": Bound(1), "max_query_length": Bound(1),
+    "test_batch_size": Bound(1), "warmup_ratio": Bound(0, 1), "n_best_size": Bound(1),
+    "max_answer_length": Bound(1),
+}  # fmt: skip
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What the flags name exists, before any work: ``--bert-model`` is a zoo BERT, the
+    ``--train-file``/``--predict-file`` the run reads are files.
+
+    Raises:
+        UsageError: naming the flag and what to do.
+    """
+    read = [("--predict-file", args.predict_file)]
+    read += [] if args.only_predict else [("--train-file", args.train_file)]
+    for flag, value in read:
+        if value and not Path(value).is_file():
+            raise UsageError(f"{flag} {value}: no such file (give a SQuAD-format .json file, "
+                             "or --dataset squad1.1/squad2.0 to fetch the official ones)")  # fmt: skip
+    name = args.bert_model
+    try:
+        entry = modelzoo.registry.get_model_entry(name)
+    except ValueError as err:
+        raise UsageError(f"--bert-model {name}: {err}") from None
+    if not entry.builder.__module__.startswith("modelzoo.nlp"):
+        berts = ", ".join(n for n in modelzoo.list_models() if "bert" in n or "minilm" in n)
+        raise UsageError(f"--bert-model {name} is not a BERT; choose one of {berts}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,20 +518,61 @@ class PredictionFiles:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_sets(args: argparse.Namespace) -> tuple[SquadSet | None, SquadSet | None]:
+def load_sets(
+    args: argparse.Namespace, logger: RunLogger | None = None
+) -> tuple[SquadSet | None, SquadSet | None]:
+    """The training and evaluation sets of ``args.dataset``, saying in one line which data.
+
+    Named SQuAD files are fetched (and verified) into ``--data-dir`` when missing.
+
+    Raises:
+        UsageError: A named file cannot be fetched: no network, ``MODELZOO_OFFLINE=1``, or
+            bytes that are not the published file (the store's message names the file, its
+            URL and where to put it).
+    """
+    say = logger.info if logger is not None else (lambda line: None)
     version = "2.0" if args.version_2 else "1.1"
     if args.dataset == "stdlib":
+        say(
+            "data: the built-in SQuAD 1.1-format set of Python standard-library docstrings "
+            "(modelzoo.nlp.stdlib_squad, nothing downloaded); --dataset squad1.1 or squad2.0 "
+            "fetches SQuAD"
+        )
         train = None if args.only_predict else read_squad(stdlib_squad("train"), training=True)
         return train, read_squad(stdlib_squad("dev"))
-    train = None
-    if args.train_file and not args.only_predict:
-        train = read_squad(
-            args.train_file, version=version, skip_bad=args.skip_bad_examples, training=True
+    own = {"train": args.train_file, "dev": args.predict_file}
+    paths: dict[str, tuple[str, bool]] = {}  # split -> (path, official)
+    for split in ("dev",) if args.only_predict else ("train", "dev"):
+        if own[split]:
+            paths[split] = (own[split], False)
+        elif args.dataset in NAMED_VERSIONS:
+            paths[split] = (str(fetch_squad(args, split)), True)
+    named = args.dataset in NAMED_VERSIONS
+    what = f"SQuAD v{version} by name" if named else f"SQuAD {version}-format files"
+    listed = ", ".join(
+        f"{split} {path}" + (" (official, sha256-verified)" if official else " (yours)")
+        for split, (path, official) in paths.items()
+    )
+    say(f"data: {what} ({args.dataset_by}): {listed}")
+    read = {
+        split: read_squad(path, version=version, skip_bad=args.skip_bad_examples,
+                          training=split == "train")
+        for split, (path, _) in paths.items()
+    }  # fmt: skip
+    return read.get("train"), read.get("dev")
+
+
+def fetch_squad(args: argparse.Namespace, split: str) -> Path:
+    """The official file of ``split`` for ``args.dataset``, fetched through the store."""
+    try:
+        return squad_file(
+            NAMED_VERSIONS[args.dataset], split, root=args.data_dir, progress=not args.no_progress
         )
-    dev = None
-    if args.predict_file:
-        dev = read_squad(args.predict_file, version=version, skip_bad=args.skip_bad_examples)
-    return train, dev
+    except (DownloadError, ChecksumError, FileNotFoundError) as exc:
+        raise UsageError(
+            f"{args.dataset} ({args.dataset_by}) needs its {split} file: {exc} Without the "
+            "network, --dataset stdlib trains on the built-in set."
+        ) from None
 
 
 def build_model(args: argparse.Namespace, logger: RunLogger, progress: bool) -> torch.nn.Module:
@@ -482,6 +633,9 @@ def build_tokenizer(args: argparse.Namespace, progress: bool) -> BertTokenizer:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    check_args(args)
+    if print_config(args):
+        return 0
     env = DistEnv.from_env()
     apply_plan(args, env, model_name=args.bert_model, batch_size=args.batch_size,
                accumulate=args.accumulate, seq_len=args.max_seq_length)  # fmt: skip
@@ -491,11 +645,10 @@ def main(argv: list[str] | None = None) -> int:
         args.run_log, enabled=env.is_main, logging_file=args.logging_file,
         tensorboard=args.tensorboard,
     )  # fmt: skip
-    logger.info(f"Namespace({', '.join(f'{k}={v!r}' for k, v in sorted(vars(args).items()))})")
     logger.write(make_header(command, args.seed, env.world_size, args, configs=run_configs(args)))
 
     try:
-        train_set, dev_set = load_sets(args)
+        train_set, dev_set = load_sets(args, logger)
     except SquadFormatError as exc:
         logger.close()
         raise SystemExit(f"finetune_squad.py: error: {exc}") from None
@@ -555,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         progress=not args.no_progress,
         inject_straggler=args.inject_straggler,
+        skip_nonfinite=args.skip_nonfinite,
     )
     trainer = Trainer(
         model, optimizer, config, env=env, logger=logger, lr_schedule=schedule,
@@ -632,4 +786,4 @@ def export_model(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, expected=(DownloadError, ChecksumError)))

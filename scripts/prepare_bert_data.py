@@ -19,13 +19,17 @@ directory per phase (sequence length) and per split; the vocabulary is saved bes
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
 
 from modelzoo.nlp.pretraining import InstanceConfig, prepare_pretraining_data, write_stdlib_corpus
 from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
-from trainers.cli import ArgumentParser
+from modelzoo.registry import get_model_entry
+from modelzoo.store import ChecksumError, DownloadError
+from trainers.cli import ArgumentParser, Bound, brief, print_config, run_main
+from trainers.errors import UsageError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,10 +67,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--instances-per-shard", type=int, default=65536)
     p.add_argument("--random-seed", type=int, default=12345)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    brief(p, *(a.option_strings[-1] for a in p._actions if a.option_strings))
     args = p.parse_args(argv)
     if not args.input_file and args.stdlib_corpus is None:
         p.error("give --input-file FILE [FILE ...] or --stdlib-corpus DIR")
-    return args
+    p.check(args, bounds=BOUNDS)
+    try:
+        instance_config(args)
+    except ValueError as err:
+        p.error(str(err))
+    return p.finish(args)
+
+
+BOUNDS = {
+    "max_seq_length": Bound(1), "max_predictions_per_seq": Bound(1),
+    "masked_lm_prob": Bound(0, 1), "short_seq_prob": Bound(0, 1), "random_next_prob": Bound(0, 1),
+    "dupe_factor": Bound(1), "window_docs": Bound(1), "instances_per_shard": Bound(1),
+    "random_seed": Bound(0),
+}  # fmt: skip
+# InstanceConfig's field -> the flag that sets it (its errors name the field).
+FLAGS = {"max_seq_length": "--max-seq-length", "max_predictions_per_seq":
+         "--max-predictions-per-seq", "masked_lm_prob": "--masked-lm-prob", "short_seq_prob":
+         "--short-seq-prob", "random_next_prob": "--random-next-prob", "whole_word_mask":
+         "--whole-word-mask", "dupe_factor": "--dupe-factor", "window_docs": "--window-docs",
+         "seed": "--random-seed"}  # fmt: skip
 
 
 def instance_config(args: argparse.Namespace) -> InstanceConfig:
@@ -83,11 +107,35 @@ def instance_config(args: argparse.Namespace) -> InstanceConfig:
             seed=args.random_seed,
         )
     except ValueError as exc:
-        raise SystemExit(f"prepare_bert_data.py: error: {exc}") from None
+        message = str(exc)
+        for field, flag in FLAGS.items():
+            message = re.sub(rf"\b{field}\b", flag, message)
+        raise ValueError(message) from None
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What the flags name -- input files, the vocabulary -- exists, before any work.
+
+    Raises:
+        UsageError: naming the flag and what to do.
+    """
+    for path in args.input_file:
+        if not Path(path).is_file():
+            raise UsageError(f"--input-file {path}: no such file")
+    if args.vocab_file is not None and not Path(args.vocab_file).is_file():
+        raise UsageError(f"--vocab-file {args.vocab_file}: no such file")
+    if args.vocab_file is None:
+        try:
+            get_model_entry(args.bert_model)
+        except ValueError as err:
+            raise UsageError(f"--bert-model {args.bert_model}: {err}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    check_args(args)
+    if print_config(args):
+        return 0
     config = instance_config(args)
     inputs = [Path(p) for p in args.input_file]
     if args.stdlib_corpus is not None:
@@ -123,4 +171,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, expected=(DownloadError, ChecksumError)))

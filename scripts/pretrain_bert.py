@@ -58,11 +58,12 @@ from modelzoo.nlp.pretraining import (
     write_stdlib_corpus,
 )
 from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
-from modelzoo.store import cache_root
+from modelzoo.store import ChecksumError, DownloadError, cache_root
 from trainers import DistEnv, Trainer, TrainerConfig, make_header
 from trainers.cli import (
     DTYPES,
     ArgumentParser,
+    Bound,
     add_distributed_args,
     add_elastic_args,
     add_ema_args,
@@ -73,18 +74,23 @@ from trainers.cli import (
     add_tensorboard_args,
     apply_model_parallel,
     apply_plan,
+    brief,
     build_combiner,
     build_elastic,
     build_ema,
+    describe_defaults,
     elastic_config,
     elastic_resuming,
     export_source,
     optimizer_config,
+    print_config,
     run_configs,
+    run_main,
     unsplit_for_saving,
 )
 from trainers.config import ElasticConfig
 from trainers.ema import ModelEMA
+from trainers.errors import UsageError
 from trainers.logs import PhasedRunLogger, ratio_metrics
 from trainers.optim import create_optimizer
 from trainers.schedules import LRSchedule, create_schedule
@@ -195,6 +201,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument(
         "--clip-grad-norm", type=float, default=0.0, help="global gradient clipping (<= 0: none)"
     )
+    t.add_argument(
+        "--skip-nonfinite", type=int, default=0, metavar="N",
+        help="tolerate N optimizer steps with a non-finite loss: skip their updates (0: the "
+        "first one stops the run, naming the step)",
+    )  # fmt: skip
     t.add_argument("--dtype", type=str, default="float32", choices=sorted(DTYPES))
     t.add_argument("--max-steps", type=int, default=None, help="stop after N steps (all phases)")
     t.add_argument("--seed", type=int, default=0)
@@ -232,6 +243,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--eval-interval", "--eval-interval-steps", "pretraining counts steps; it has no epochs"
     )
     p.add_mxnet_options("--gpus", "--num-gpus", "--kvstore", "--bert-dataset")
+    brief(p, "--phase1-data", "--phase2-data", "--bert-model", "--num-layers", "--hidden-size",
+          "--phase1-model", "--phases", "--phase1-steps", "--phase2-steps", "--dtype", "--max-steps",
+          "--resume", "--output-dir", "--run-log")  # fmt: skip
+    describe_defaults(p, {"with --optimizer lans or lamb": {"lr": 5e-3},
+                          "with another optimizer": {"lr": 1e-4}})  # fmt: skip
     args = p.parse_args(argv)
     if args.resume not in (None, "auto"):
         p.error(
@@ -278,7 +294,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.phase_list == [2] and args.phase1_model is None and not args.resume:
         p.error("--phases 2 needs --phase1-model DIR (a phase-1 <output_dir>/phase1/model)")
-    return args
+    p.check(args, bounds=BOUNDS)
+    if args.bert_model is None and args.hidden_size % args.num_heads:
+        p.error(f"--hidden-size {args.hidden_size} does not split into --num-heads "
+                f"{args.num_heads}: make it a multiple")  # fmt: skip
+    return p.finish(args)
+
+
+# The script's own flags' ranges (the shared ones: trainers.cli.BOUNDS).
+BOUNDS = {
+    "num_layers": Bound(1), "hidden_size": Bound(1), "num_heads": Bound(1),
+    "intermediate_size": Bound(1), "max_position_embeddings": Bound(1),
+    "initializer_range": Bound(0, low_open=True), "dupe_factor": Bound(1),
+    "eval_batch_size": Bound(1), "eval_interval_steps": Bound(0), "checkpoint_steps": Bound(0),
+    "const_ratio": Bound(0, 1), "decay_power": Bound(0, low_open=True),
+    **{f"phase{n}_{flag}": bound for n in (1, 2) for flag, bound in (
+        ("lr", Bound(0)), ("warmup_ratio", Bound(0, 1)))},
+}  # fmt: skip
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What the flags name -- the model, the phase-1 model, the vocabulary -- exists, before
+    any work (the shard folders are checked, with what to do, by their reader).
+
+    Raises:
+        UsageError: naming the flag and what to do.
+    """
+    if args.bert_model is not None:
+        try:
+            entry = modelzoo.registry.get_model_entry(args.bert_model)
+        except ValueError as err:
+            raise UsageError(f"--bert-model {args.bert_model}: {err}") from None
+        if not entry.builder.__module__.startswith("modelzoo.nlp"):
+            raise UsageError(
+                f"--bert-model {args.bert_model} is not a BERT; choose one of "
+                f"{', '.join(modelzoo.list_models('bert*'))} or leave it out (a small BERT)"
+            )
+    if 2 in args.phase_list and args.phase1_model and not Path(args.phase1_model).is_dir():
+        raise UsageError(f"--phase1-model {args.phase1_model}: no such directory (phase 1 saves "
+                         "<output-dir>/phase1/model)")  # fmt: skip
+    if args.vocab_file is not None and not Path(args.vocab_file).is_file():
+        raise UsageError(f"--vocab-file {args.vocab_file}: no such file")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,6 +636,7 @@ def run_phase(
         seed=args.seed,
         progress=not args.no_progress,
         inject_straggler=args.inject_straggler,
+        skip_nonfinite=args.skip_nonfinite,
     )
     tracker = EvalTracker()
     ema = build_ema(args, model, eval_dataset=dev, collate_fn=PretrainingCollate(train.pad_id))
@@ -610,6 +667,9 @@ def run_phase(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    check_args(args)
+    if print_config(args):
+        return 0
     env = DistEnv.from_env()
     n = args.phase_list[0]  # --plan runs one phase
     apply_plan(
@@ -627,7 +687,6 @@ def main(argv: list[str] | None = None) -> int:
         mode="a" if appending else "w", ratios={**RATIOS, **EMA_RATIOS},
         tensorboard=args.tensorboard,
     )  # fmt: skip
-    logger.info(f"Namespace({', '.join(f'{k}={v!r}' for k, v in sorted(vars(args).items()))})")
     if not appending:
         logger.write(
             make_header(command, args.seed, env.world_size, args, configs=run_configs(args))
@@ -708,4 +767,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, expected=(DownloadError, ChecksumError)))

@@ -44,7 +44,7 @@ from filelock import FileLock
 
 from trainers.checkpoint import atomic_write_text
 from trainers.claims import ClaimsError, load_claims, make_recipe, write_claims
-from trainers.cli import split_command
+from trainers.cli import run_main, split_command
 from trainers.logs import ISA_PIN_VARIABLES, PORTABLE_CPU_PINS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -337,4 +337,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from trainers.claims import ClaimsError, find_recipe, load_claims, metric_of
+from trainers.cli import run_main
 from trainers.comm import combiner_class
 from trainers.logs import (
     ISA_PIN_VARIABLES,
@@ -495,4 +496,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

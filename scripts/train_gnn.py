@@ -36,27 +36,34 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 import modelzoo
+from modelzoo.artifact import is_artifact
 from modelzoo.fileio import atomic_write
 from modelzoo.graph import datasets as gdata
 from modelzoo.graph.sampler import NeighborSampler
 from modelzoo.graph.transforms import NodeFeatures
-from modelzoo.store import cache_root
+from modelzoo.registry import get_model_entry
+from modelzoo.store import ChecksumError, DownloadError, cache_root
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
 from trainers.cli import (
     ArgumentParser,
+    Bound,
     add_distributed_args,
     add_ema_args,
     add_export_args,
     add_optimizer_args,
     add_schedule_args,
     add_tensorboard_args,
+    brief,
     build_combiner,
     build_ema,
     build_optimizer,
     build_schedule,
     export_source,
+    print_config,
     run_configs,
+    run_main,
 )
+from trainers.errors import UsageError
 from trainers.hooks import EarlyStopping
 
 NODE_DATASETS = ("karate", "sbm", "cora", "citeseer", "pubmed", "npz")
@@ -77,6 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--data-dir", type=str, default=None, help="folder of the dataset's files")
     d.add_argument("--download", action="store_true", help="fetch missing files from the host")
     d.add_argument("--ogb-split", type=str, default=None, help="OGB split scheme folder")
+    d.add_argument(
+        "--ogb-sha256", type=str, default=None,
+        help="--download of ogbn-<name>: the sha256 of <name>.zip to verify it against (OGB "
+        "publishes none; docs/data.md)",
+    )  # fmt: skip
     d.add_argument("--npz", type=str, default=None, help="--dataset npz: the .npz file")
     d.add_argument("--normalize-features", action="store_true", help="row-normalize x (DGL)")
     d.add_argument("--sbm-nodes", type=int, default=100_000, help="--dataset sbm: nodes")
@@ -107,6 +119,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--batch-size", type=int, default=1024, help="mini-batch: seeds (graphs)/worker")
     o.add_argument("--num-epochs", "--epochs", dest="num_epochs", type=int, default=200)
     o.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
+    o.add_argument(
+        "--skip-nonfinite", type=int, default=0, metavar="N",
+        help="tolerate N optimizer steps with a non-finite loss: skip their updates (0: the "
+        "first one stops the run, naming the step)",
+    )  # fmt: skip
     o.add_argument("--early-stop", type=int, default=0, help="patience in evaluations (0: off)")
     o.add_argument("--eval-interval", type=int, default=1, help="epochs between evaluations")
     o.add_argument("--seed", type=int, default=0)
@@ -121,6 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_mxnet_options("--gpus", "--num-gpus", "--kvstore")
+    brief(p, "--dataset", "--data-dir", "--download", "--model", "--hidden", "--num-layers",
+          "--dropout", "--fanouts", "--batch-size", "--num-epochs", "--early-stop", "--seed",
+          "--run-log")  # fmt: skip
     args = p.parse_args(argv)
 
     known = NODE_DATASETS + GRAPH_DATASETS
@@ -132,7 +152,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--fanouts must be comma-separated integers like 25,10, got {args.fanouts!r}")
     if args.dataset == "npz" and not args.npz:
         p.error("--dataset npz needs --npz PATH")
-    return args
+    bad = [f for f in args.fanout_list if f < 1 and f != -1]
+    if bad:
+        p.error(f"--fanouts {args.fanouts}: {bad[0]} neighbours; give 1 or more, or -1 for all")
+    if args.dataset in GRAPH_DATASETS and args.export_dir:
+        p.error("--export-dir writes a node-classification artifact; graph classification "
+                f"({args.dataset}) has no pipeline: use --export-weights")  # fmt: skip
+    p.check(args, bounds=BOUNDS)
+    return p.finish(args)
+
+
+# The script's own flags' ranges (the shared ones: trainers.cli.BOUNDS).
+BOUNDS = {
+    "hidden": Bound(1), "num_layers": Bound(1), "heads": Bound(1), "early_stop": Bound(0),
+    "eval_interval": Bound(1), "sbm_nodes": Bound(2), "sbm_degree": Bound(0, low_open=True),
+    "sbm_graphs": Bound(2),
+}  # fmt: skip
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What the flags name -- the model, the .npz file -- exists, before any work (a missing
+    data set is named by its loader).
+
+    Raises:
+        UsageError: naming the flag and what to do.
+    """
+    if args.npz and not Path(args.npz).is_file():
+        raise UsageError(f"--npz {args.npz}: no such file")
+    name = args.model
+    if is_artifact(name):
+        return
+    try:
+        entry = get_model_entry(name)
+    except ValueError as err:
+        raise UsageError(f"--model {name}: {err}") from None
+    if not entry.builder.__module__.startswith("modelzoo.graph"):
+        graphs = sorted({n.split("_")[0] for n in modelzoo.list_models()
+                         if get_model_entry(n).builder.__module__.startswith("modelzoo.graph")})  # fmt: skip
+        raise UsageError(f"--model {name} is not a graph model; choose one of {', '.join(graphs)}")
 
 
 # ------------------------------------------------------------------------------------- data
@@ -150,7 +207,9 @@ def load_dataset(args: argparse.Namespace) -> Any:
     elif name == "npz":
         data = gdata.load_npz_graph(args.npz)
     else:
-        data = gdata.load_ogb_node(name, root, split=args.ogb_split, download=args.download)
+        data = gdata.load_ogb_node(
+            name, root, split=args.ogb_split, download=args.download, sha256=args.ogb_sha256
+        )
     for key in ("train_mask", "val_mask", "test_mask"):
         if key not in data:
             raise SystemExit(f"dataset {name!r} has no {key}; a node split is needed to train")
@@ -286,6 +345,9 @@ def _model_options(args: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    check_args(args)
+    if print_config(args):
+        return 0
     env = DistEnv.from_env()
     command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     logger = RunLogger(args.run_log, enabled=env.is_main, tensorboard=args.tensorboard)
@@ -293,11 +355,6 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = load_dataset(args)
     graph_level = args.dataset in GRAPH_DATASETS
-    if graph_level and args.export_dir:
-        raise SystemExit(
-            "--export-dir writes a node-classification artifact; graph classification "
-            f"({args.dataset}) has no pipeline: use --export-weights"
-        )
     if graph_level:
         graphs, splits = loaded
         in_channels = graphs[0].num_node_features
@@ -338,7 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = build_optimizer(args, model)
     combiner = build_combiner(args, env)
     steps_per_epoch = max(1, len(train_set) // (batch_size * combiner.data_parts(env.world_size)))
-    schedule = build_schedule(args, steps_per_epoch=steps_per_epoch, epochs=args.num_epochs)
+    try:
+        schedule = build_schedule(args, steps_per_epoch=steps_per_epoch, epochs=args.num_epochs)
+    except ValueError as err:  # whole steps: a warmup that fits in epochs may not in steps
+        raise UsageError(f"--warmup-epochs {float(args.warmup_epochs or 0):g}: {err}") from None
     config = TrainerConfig(
         epochs=args.num_epochs,
         max_steps=args.max_steps,
@@ -351,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         drop_last=False,
         progress=not args.no_progress,
         inject_straggler=args.inject_straggler,
+        skip_nonfinite=args.skip_nonfinite,
     )
     stopper = EarlyStopping(
         model,
@@ -400,4 +461,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    expected = (gdata.DatasetError, gdata.DatasetNotFoundError, DownloadError, ChecksumError)
+    sys.exit(run_main(main, expected=expected))

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 import modelzoo
-from modelzoo.artifact import image_preprocessing
-from modelzoo.vision.data import ImageFolder, digits_imagefolder
+from modelzoo.artifact import image_preprocessing, is_artifact
+from modelzoo.store import ChecksumError, DownloadError
+from modelzoo.vision.data import BadImageError, ImageFolder, RecordIOError, digits_imagefolder
 from modelzoo.vision.recordio import RecordIODataset
 from modelzoo.vision.tasks import DropBlockRamp, ImageClassificationTask
 from modelzoo.vision.transforms import eval_transforms, train_transforms
@@ -40,6 +41,7 @@ from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
 from trainers.cli import (
     DTYPES,
     ArgumentParser,
+    Bound,
     add_distributed_args,
     add_elastic_args,
     add_ema_args,
@@ -50,17 +52,25 @@ from trainers.cli import (
     add_tensorboard_args,
     apply_model_parallel,
     apply_plan,
+    brief,
     build_combiner,
     build_elastic,
     build_ema,
     build_optimizer,
     build_schedule,
+    describe_defaults,
     elastic_resuming,
     export_source,
+    print_config,
     run_configs,
+    run_main,
     unsplit_for_saving,
 )
+from trainers.errors import UsageError
 from trainers.hooks import StopAtTarget
+
+# modelzoo's errors a run expects (bad image files, a failed download): one line, exit 2.
+EXPECTED_ERRORS = (BadImageError, RecordIOError, DownloadError, ChecksumError)
 
 # The built-in default: what a newcomer gets with no data flags. Measured on seed 0 (AVX2
 # pins, docs/training.md): the GluonCV-like 8 epochs at lr 0.1 with flips reached 0.9526 and
@@ -112,7 +122,6 @@ IMAGENET_DEFAULTS = dict(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(
         description="Train an image classifier from the model zoo (GluonCV-compatible flags).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     d = p.add_argument_group("data (none given: the built-in handwritten digits)")
     d.add_argument(
@@ -196,7 +205,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_export_args(p)
     o = p.add_argument_group("training")
     o.add_argument("--batch-size", type=int, default=None, help="per worker")
-    o.add_argument("--num-epochs", "--epochs", dest="num_epochs", type=int, default=None)
+    o.add_argument(
+        "--num-epochs",
+        "--epochs",
+        dest="num_epochs",
+        type=int,
+        default=None,
+        help="epochs to train",
+    )
     o.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
     o.add_argument(
         "--target-top1", type=float, default=None, metavar="ACC",
@@ -210,19 +226,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         const=0.1,
         default=None,
         metavar="ETA",
-        help="smooth the targets by ETA; alone (GluonCV's switch): 0.1 (default: ImageNet 0, "
-        "digits 0.1)",
+        help="smooth the targets by ETA; alone (GluonCV's switch): 0.1",
     )
-    o.add_argument("--mixup", action="store_true")
+    o.add_argument("--mixup", action="store_true", help="train on mixed pairs of images (mixup)")
     o.add_argument("--mixup-alpha", type=float, default=0.2)
     o.add_argument("--mixup-off-epoch", type=int, default=0, help="no mixup in the last N epochs")
-    o.add_argument("--dtype", type=str, default="float32", choices=sorted(DTYPES))
+    o.add_argument(
+        "--dtype", type=str, default="float32", choices=sorted(DTYPES),
+        help="float16: autocast with loss scaling; bfloat16: autocast",
+    )  # fmt: skip
     o.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     o.add_argument(
         "--clip-grad-norm", type=float, default=None, help="global gradient clipping (<= 0: none)"
     )
+    o.add_argument(
+        "--skip-nonfinite", type=int, default=0, metavar="N",
+        help="tolerate N optimizer steps with a non-finite loss: skip their updates (0: the "
+        "first one stops the run, naming the step)",
+    )  # fmt: skip
     o.add_argument("--channels-last", action="store_true")
-    o.add_argument("--seed", type=int, default=0)
+    o.add_argument(
+        "--seed", type=int, default=0, help="run seed: initial weights, data order, augmentation"
+    )
 
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument(
@@ -231,7 +256,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--save-frequency", type=int, default=0, help="epochs between checkpoints (0: last only)"
     )
-    g.add_argument("--save-dir", type=str, default=None)
+    g.add_argument(
+        "--save-dir", type=str, default=None, help="checkpoints (latest.pt) and the run log"
+    )
     g.add_argument(
         "--logging-file", type=str, default=None, help="also write the console lines here"
     )
@@ -243,20 +270,116 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_mxnet_options("--num-gpus", "--gpus", "--kvstore", "--mode")
+    brief(p, "--data-dir", "--use-rec", "--model", "--use-pretrained", "--resume", "--batch-size",
+          "--num-epochs", "--max-steps", "--label-smoothing", "--mixup", "--dtype", "--seed",
+          "--save-dir", "--run-log")  # fmt: skip
+    describe_defaults(p, {"for the built-in digits": DIGITS_DEFAULTS,
+                          "with --data-dir or --use-rec": IMAGENET_DEFAULTS})  # fmt: skip
     args = p.parse_args(argv)
 
     digits = args.data_dir is None and not args.use_rec
-    for key, value in (DIGITS_DEFAULTS if digits else IMAGENET_DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    defaults = DIGITS_DEFAULTS if digits else IMAGENET_DEFAULTS
+    defaulted = {key for key in defaults if getattr(args, key) is None}
+    for key in defaulted:
+        setattr(args, key, defaults[key])
     args.dataset = "digits" if digits else ("recordio" if args.use_rec else "folder")
-    if args.use_rec and not (args.rec_train and args.rec_train_idx):
-        p.error(
-            "--use-rec needs --rec-train and --rec-train-idx (and --rec-val/--rec-val-idx to evaluate)"
+    fits = args.warmup_epochs + args.const_epochs <= args.num_epochs
+    if "warmup_epochs" in defaulted and args.num_epochs >= 1 and not fits:
+        # The recipe's warmup does not fit a shorter run: warm up over half of it (say so).
+        args.warmup_epochs = max(0.0, args.num_epochs - args.const_epochs) / 2
+        print(
+            f"note: the default --warmup-epochs {defaults['warmup_epochs']} does not fit "
+            f"--num-epochs {args.num_epochs}: warming up for {args.warmup_epochs:g} epochs "
+            "(half the run); pass --warmup-epochs to choose",
+            file=sys.stderr,
         )
+    p.check(args, bounds=BOUNDS)
+    _check_flags(p, args)
+    return p.finish(args)
+
+
+# The script's own flags' ranges (the shared ones: trainers.cli.BOUNDS).
+BOUNDS = {
+    "input_size": Bound(1), "crop_ratio": Bound(0, 1, low_open=True), "jitter": Bound(0),
+    "lighting": Bound(0), "min_random_area": Bound(0, 1, low_open=True), "hflip": Bound(0, 1),
+    "num_classes": Bound(1), "dropblock_prob": Bound(0, 1, high_open=True),
+    "final_drop": Bound(0, 1, high_open=True), "temperature": Bound(0, low_open=True),
+    "hard_weight": Bound(0, 1), "label_smoothing": Bound(0, 1, high_open=True),
+    "mixup_alpha": Bound(0, low_open=True), "mixup_off_epoch": Bound(0),
+    "save_frequency": Bound(0), "target_top1": Bound(0, 1, low_open=True),
+}  # fmt: skip
+
+
+def _check_flags(p: ArgumentParser, args: argparse.Namespace) -> None:
+    """What the flags must satisfy together, in their own terms."""
     if args.dtype not in DTYPES:
         p.error(f"--dtype must be one of {sorted(DTYPES)}")
-    return args
+    for flag, text in (("--rgb-mean", args.rgb_mean), ("--rgb-std", args.rgb_std)):
+        try:
+            _floats(text, flag)
+        except SystemExit as err:
+            p.error(str(err.code))
+    if 0 in _floats(args.rgb_std, "--rgb-std"):
+        p.error(f"--rgb-std {args.rgb_std}: a standard deviation of 0 divides by zero")
+    if args.mixup_off_epoch > args.num_epochs:
+        p.error(f"--mixup-off-epoch {args.mixup_off_epoch} exceeds --num-epochs {args.num_epochs}")
+    if args.use_rec and not (args.rec_train and args.rec_train_idx):
+        p.error("--use-rec needs --rec-train and --rec-train-idx (and --rec-val/--rec-val-idx to "
+                "evaluate)")  # fmt: skip
+    if args.rec_val and not args.rec_val_idx:
+        p.error("--rec-val needs --rec-val-idx")
+    if args.target_top1 is not None and args.dataset == "recordio" and not args.rec_val:
+        p.error("--target-top1 needs a validation set: --rec-val and --rec-val-idx")
+    if args.pipeline_parallel > 1:
+        for flag, on in (("--mixup", args.mixup), ("--teacher", args.teacher),
+                         ("--channels-last", args.channels_last)):  # fmt: skip
+            if on:
+                p.error(f"{flag} does not run with --pipeline-parallel yet (the stages take the "
+                        "images as the loader gives them); drop one of the two")  # fmt: skip
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What the flags name -- models, files, folders -- exists, before any work.
+
+    Raises:
+        UsageError: naming the flag and what to do.
+    """
+    for flag, name in (("--model", args.model), ("--teacher", args.teacher)):
+        if name is not None:
+            _check_image_model(flag, name)
+    if args.dataset == "recordio":
+        for flag in ("--rec-train", "--rec-train-idx", "--rec-val", "--rec-val-idx"):
+            path = getattr(args, flag[2:].replace("-", "_"))
+            if path and not Path(path).expanduser().is_file():
+                raise UsageError(f"{flag} {path}: no such file")
+    if args.dataset == "folder":
+        root = Path(args.data_dir).expanduser()
+        if not (root / "train").is_dir():
+            what = "has no train/ folder" if root.is_dir() else "does not exist"
+            raise UsageError(
+                f"--data-dir {args.data_dir} {what}: give a folder with train/<class>/* (and "
+                "val/<class>/* to evaluate), or no --data-dir for the built-in digits"
+            )
+        if args.target_top1 is not None and not (root / "val").is_dir():
+            raise UsageError(f"--target-top1 needs a validation set: {root / 'val'} is missing")
+    if args.resume == "auto" and args.save_dir is None:
+        raise UsageError("--resume without a path continues from <save-dir>/latest.pt: pass "
+                         "--save-dir")  # fmt: skip
+    if args.resume is not None and not _resume_path(args).is_file():
+        raise UsageError(f"--resume {_resume_path(args)}: no such checkpoint")
+
+
+def _check_image_model(flag: str, name: str) -> None:
+    """``name`` is a zoo image model or an exported artifact folder."""
+    if is_artifact(name):
+        return
+    try:
+        entry = modelzoo.registry.get_model_entry(name)
+    except ValueError as err:
+        raise UsageError(f"{flag} {name}: {err}") from None
+    if not entry.builder.__module__.startswith("modelzoo.vision"):
+        images = ", ".join(n for n in modelzoo.list_models() if n.startswith("resnest"))
+        raise UsageError(f"{flag} {name} is not an image classifier; choose one of {images}")
 
 
 def _floats(text: str, flag: str) -> tuple[float, float, float]:
@@ -316,12 +439,30 @@ def _resume_path(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.target_top1 is not None and not 0 < args.target_top1 <= 1:
-        raise SystemExit(f"--target-top1 {args.target_top1}: give a held-out top-1 in (0, 1]")
+    check_args(args)
+    if print_config(args):
+        return 0
     env = DistEnv.from_env()
     apply_plan(args, env, model_name=args.model, batch_size=args.batch_size,
                accumulate=args.accumulate, image_size=args.input_size)  # fmt: skip
     command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    # The data and the model before the run log: a data set or model that cannot be used
+    # stops the run before it has a log.
+    train_set, val_set, num_classes = build_datasets(args)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank and every rerun
+    model = modelzoo.get_model(
+        args.model,
+        pretrained=args.use_pretrained,
+        num_classes=num_classes,
+        progress=env.is_main,
+        **_model_options(args),
+    )
+    _check_batch_norm(args, model)
+    teacher = None
+    if args.teacher:
+        teacher = modelzoo.get_model(args.teacher, pretrained=True, num_classes=num_classes).eval()
+        teacher.to(env.device).requires_grad_(False)
+
     run_log = args.run_log or next(
         (str(Path(d) / "run.jsonl") for d in (args.save_dir, args.elastic_dir) if d), None
     )
@@ -330,7 +471,6 @@ def main(argv: list[str] | None = None) -> int:
         run_log, enabled=env.is_main, logging_file=args.logging_file, mode="a" if resuming else "w",
         tensorboard=args.tensorboard,
     )  # fmt: skip
-    logger.info(f"Namespace({', '.join(f'{k}={v!r}' for k, v in sorted(vars(args).items()))})")
     config = TrainerConfig(
         epochs=args.num_epochs,
         max_steps=args.max_steps,
@@ -346,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         channels_last=args.channels_last,
         progress=not args.no_progress,
         inject_straggler=args.inject_straggler,
+        skip_nonfinite=args.skip_nonfinite,
     )
     if not resuming:
         logger.write(
@@ -354,29 +495,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
 
-    train_set, val_set, num_classes = build_datasets(args)
-    torch.manual_seed(args.seed)  # the same initial weights on every rank and every rerun
-    model = modelzoo.get_model(
-        args.model,
-        pretrained=args.use_pretrained,
-        num_classes=num_classes,
-        progress=env.is_main,
-        **_model_options(args),
-    )
-    teacher = None
-    if args.teacher:
-        teacher = modelzoo.get_model(args.teacher, pretrained=True, num_classes=num_classes).eval()
-        teacher.to(env.device).requires_grad_(False)
-
     world = env  # the whole world; env becomes its data-parallel view with --pipeline-parallel
-    if args.pipeline_parallel > 1:
-        for flag, on in (("--mixup", args.mixup), ("--teacher", args.teacher),
-                         ("--channels-last", args.channels_last)):  # fmt: skip
-            if on:
-                raise SystemExit(
-                    f"{flag} does not run with --pipeline-parallel yet (the stages take the "
-                    f"images as the loader gives them); drop one of the two"
-                )
     model, env = apply_model_parallel(args, world, model, inputs_of=lambda batch: batch[:1])
     optimizer = build_optimizer(args, model)
     combiner = build_combiner(args, env)
@@ -387,7 +506,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(train_set)} training images are fewer than one global batch of {global_batch} "
             "(--batch-size x --accumulate x workers); lower --batch-size"
         )
-    schedule = build_schedule(args, steps_per_epoch=steps_per_epoch, epochs=args.num_epochs)
+    try:
+        schedule = build_schedule(args, steps_per_epoch=steps_per_epoch, epochs=args.num_epochs)
+    except ValueError as err:  # whole steps: a warmup that fits in epochs may not in steps
+        raise UsageError(f"--warmup-epochs {args.warmup_epochs:g}: {err}") from None
     task = ImageClassificationTask(
         num_classes,
         label_smoothing=args.label_smoothing,
@@ -399,8 +521,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     hooks: list[Any] = [task]
     if args.target_top1 is not None:
-        if val_set is None:
-            raise SystemExit("--target-top1 needs a validation set (--data-dir with val/)")
         hooks.append(StopAtTarget("top1", args.target_top1))
     if args.dropblock_prob > 0:
         hooks.append(DropBlockRamp(model, args.num_epochs))
@@ -464,6 +584,23 @@ def export_model(
     )  # fmt: skip
 
 
+def _check_batch_norm(args: argparse.Namespace, model: torch.nn.Module) -> None:
+    """BatchNorm normalizes each channel over the batch: one image per forward pass has no
+    spread to normalize (ResNeSt's split attention pools to 1x1 first), so refuse it."""
+    per_forward = args.batch_size
+    if args.pipeline_parallel > 1:
+        per_forward //= args.micro_batches or args.pipeline_parallel
+    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if has_bn and per_forward < 2:
+        what = "--batch-size 1" if per_forward == args.batch_size else (
+            f"--batch-size {args.batch_size} in {args.batch_size // max(per_forward, 1)} "
+            "micro-batches")  # fmt: skip
+        raise UsageError(
+            f"{what}: {args.model} has BatchNorm layers, which need at least 2 images per "
+            "forward pass in training; pass --batch-size 2 or more"
+        )
+
+
 def _model_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if args.last_gamma:
@@ -476,4 +613,4 @@ def _model_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, expected=EXPECTED_ERRORS))

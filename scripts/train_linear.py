@@ -60,7 +60,16 @@ from modelzoo.linear import (
 from modelzoo.linear.svmlight import SvmlightFormatError
 from trainers import DistEnv, RunLogger, make_header
 from trainers.checkpoint import CheckpointError
-from trainers.cli import ArgumentParser, add_elastic_args, add_tensorboard_args, elastic_config
+from trainers.cli import (
+    ArgumentParser,
+    Bound,
+    add_elastic_args,
+    add_tensorboard_args,
+    brief,
+    elastic_config,
+    print_config,
+    run_main,
+)
 from trainers.comm.sparse import ALGORITHMS as SPARSE_ALGORITHMS
 from trainers.linear import (
     COMBINERS,
@@ -149,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--no-progress", action="store_true", help="accepted; no progress bar here")
     add_elastic_args(p)
     add_tensorboard_args(p)
+    brief(p, "--dataset", "--data-file", "--loss", "--solver", "--wd", "--lr", "--batch-size",
+          "--num-epochs", "--max-steps", "--seed", "--run-log")  # fmt: skip
     args = p.parse_args(argv)
     if args.data_seed is None:  # a seed is a different split: what seeds vary for L-BFGS
         args.data_seed = args.seed
@@ -182,7 +193,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.elastic_checkpoint_steps < 1:
         p.error(f"--elastic-checkpoint-steps must be at least 1, got "
                 f"{args.elastic_checkpoint_steps}")  # fmt: skip
-    return args
+    p.check(args, bounds=BOUNDS)
+    return p.finish(args)
+
+
+# The script's own flags' ranges (the shared ones: trainers.cli.BOUNDS).
+BOUNDS = {
+    "n_features": Bound(1), "synthetic_samples": Bound(2), "synthetic_features": Bound(1),
+    "nnz_per_row": Bound(1), "sa_decay": Bound(0, 1, low_open=True), "latency_ms": Bound(0),
+}  # fmt: skip
 
 
 def _check_row_parallel(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -558,7 +577,9 @@ def train_rowparallel(
 
 # ------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv)  # a --data-file that is not there: named by load_data
+    if print_config(args):
+        return 0
     env = DistEnv.from_env()
     command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     dtype = torch.float64 if args.precision == "fp64" else torch.float32
@@ -624,4 +645,4 @@ def _header_config(args: argparse.Namespace) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -15,6 +15,7 @@ class Route:
     delay: float = 0.0  # seconds before the status line
     chunk_delay: float = 0.0  # seconds between body chunks
     chunk_size: int = 8192
+    length: int | None = None  # Content-Length sent; more than the body: the transfer breaks off
 
 
 class LocalServer:
@@ -46,7 +47,8 @@ class LocalServer:
                     return
                 try:
                     self.send_response(route.status)
-                    self.send_header("Content-Length", str(len(route.body)))
+                    length = len(route.body) if route.length is None else route.length
+                    self.send_header("Content-Length", str(length))
                     self.send_header("Content-Type", "application/octet-stream")
                     self.end_headers()
                     for start in range(0, len(route.body), route.chunk_size):

@@ -8,6 +8,11 @@ previous checkpoint intact; an exception mid-save also removes the temporary fil
 :func:`load_checkpoint` uses ``torch.load(..., weights_only=True)``: tensors, numbers,
 strings, lists, tuples and dicts only, never arbitrary pickled objects. Keep checkpoint
 states to those types (the trainer stores numpy/``random`` RNG states as plain lists).
+
+:func:`save_checkpoint` never writes a non-finite state: a floating-point tensor anywhere in
+it (weights, optimizer moments, EMA) holding a NaN or an infinity raises
+:class:`~trainers.errors.NonFiniteError` naming that tensor, and nothing is written (the
+previous checkpoint at that path stays).
 """
 
 from __future__ import annotations
@@ -21,11 +26,15 @@ import torch
 
 from modelzoo.fileio import atomic_write, atomic_write_text
 
+from ._dtensor import local_tensor
+from .errors import NonFiniteError
+
 __all__ = [
     "CheckpointError",
     "atomic_write",
     "atomic_write_text",
     "load_checkpoint",
+    "nonfinite_tensor",
     "save_checkpoint",
 ]
 
@@ -44,8 +53,52 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
 
     Returns:
         The destination path.
+
+    Raises:
+        NonFiniteError: a floating-point tensor of ``state`` has a NaN or infinite value (the
+            message names it); nothing is written.
     """
+    bad = nonfinite_tensor(state)
+    if bad is not None:
+        raise NonFiniteError(
+            f"refusing to write checkpoint {os.fspath(path)!r}: {bad} has a non-finite value "
+            "(NaN or inf), so the training diverged; nothing was written. Lower the learning "
+            "rate (--lr) or clip the gradients (--clip-grad-norm), and resume from an earlier "
+            "checkpoint"
+        )
     return atomic_write(path, lambda f: torch.save(state, f))
+
+
+def nonfinite_tensor(state: Any) -> str | None:
+    """Where the first floating-point tensor of ``state`` with a NaN or infinite value is
+    (e.g. ``"model['fc.weight']"``), or ``None`` when every one is finite.
+
+    ``state`` is searched through dicts, lists and tuples; one host sync per device.
+    """
+    found: list[tuple[str, torch.Tensor]] = []
+
+    def walk(value: Any, where: str) -> None:
+        if isinstance(value, torch.Tensor):
+            value = local_tensor(value)
+            if value.is_floating_point() or value.is_complex():
+                found.append((where, value))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{where}[{key!r}]" if where else str(key))
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, f"{where}[{i}]")
+
+    walk(state, "")
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, tensor) in enumerate(found):
+        by_device.setdefault(tensor.device, []).append(i)
+    bad: list[int] = []
+    for indices in by_device.values():
+        with torch.no_grad():
+            ok = torch.stack([torch.isfinite(found[i][1]).all() for i in indices]).tolist()
+        bad += [i for i, finite in zip(indices, ok, strict=True) if not finite]
+    return (found[min(bad)][0] or "the tensor") if bad else None
 
 
 def load_checkpoint(

@@ -161,8 +161,9 @@ def make_recipe(
         "claim": claim_value(documented_minimum, stats["mean"], stats["std"]),
         # "legacy": logs written before fingerprints, one seed each, awaiting republication;
         # "single-seed": declared as one run (min_seeds=1), not a claim over seeds
-        "status": ("legacy" if not all(fingerprinted)
-                   else "single-seed" if min_seeds == 1 else "published"),  # fmt: skip
+        "status": (
+            "legacy" if not all(fingerprinted) else "single-seed" if min_seeds == 1 else "published"
+        ),  # fmt: skip
     }
 
 

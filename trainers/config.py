@@ -201,6 +201,11 @@ class TrainerConfig:
         inject_straggler: ``(rank, factor)``: that rank sleeps ``factor - 1`` times its own
             forward + backward time after each micro-step, a reproducible slow worker for
             straggler experiments (``--inject-straggler RANK:FACTOR``; ``None``: none).
+        skip_nonfinite: tolerate up to this many optimizer steps whose loss is non-finite on
+            some rank: their update is skipped (every rank agrees, one small all-reduce per
+            step in this mode) and counted in the end record (``nonfinite_steps_skipped``);
+            one more stops the run with :class:`~trainers.errors.NonFiniteError`. 0 (default):
+            the first non-finite loss stops the run (``--skip-nonfinite N``).
     """
 
     epochs: int = 1
@@ -223,6 +228,7 @@ class TrainerConfig:
     shuffle: bool = True
     progress: bool = True
     inject_straggler: tuple[int, float] | None = None
+    skip_nonfinite: int = 0
 
     def __post_init__(self) -> None:
         if self.inject_straggler is not None:
@@ -245,6 +251,7 @@ class TrainerConfig:
             "save_frequency",
             "save_interval_steps",
             "num_workers",
+            "skip_nonfinite",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 disables it), got {getattr(self, name)}")

@@ -28,7 +28,9 @@ import datetime
 import json
 import math
 import os
+import shutil
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -53,6 +55,7 @@ __all__ = [
     "RunLogger",
     "gluonnlp_step_line",
     "cpu_info",
+    "discard_unstarted_logs",
     "format_metrics",
     "machine_fingerprint",
     "not_comparable_reason",
@@ -220,6 +223,13 @@ class RunLogger:
             written on rank 0 only.
 
     Sinks (:meth:`add_sink`) get every record the logger writes, after the JSONL file.
+
+    A run that stops with an expected error (a bad flag, missing data) before its first
+    training record leaves no log behind: :meth:`discard` (called for every open logger by
+    :func:`discard_unstarted_logs`, which :func:`trainers.cli.run_main` calls) removes the files
+    this logger created -- the ``.jsonl`` it started (``mode="w"``; an appended log,
+    ``mode="a"``, is never removed), the ``logging_file`` if it did not exist, and the folders
+    made for them if empty, and a ``tensorboard`` folder it made (with its event files).
     """
 
     def __init__(
@@ -246,14 +256,38 @@ class RunLogger:
         self.path = Path(path) if path is not None else None
         self._file: IO[str] | None = None
         self._console_file: IO[str] | None = None
+        self._own = _Created(weakref.ref(self))  # what discard() may remove
         if enabled and self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._make_parents(self.path)
             self._file = open(self.path, mode, encoding="utf-8")  # noqa: SIM115 (closed in close())
+            if mode == "w":
+                self._own.paths.insert(0, self.path)
         if enabled and logging_file is not None:
-            Path(logging_file).parent.mkdir(parents=True, exist_ok=True)
-            self._console_file = open(logging_file, "a", encoding="utf-8")  # noqa: SIM115
+            console_path = Path(logging_file)
+            self._make_parents(console_path)
+            existed = console_path.exists()
+            self._console_file = open(console_path, "a", encoding="utf-8")  # noqa: SIM115
+            if not existed:
+                self._own.paths.insert(0, console_path)
         if enabled and tensorboard is not None:
+            board = Path(tensorboard)
+            if not board.exists():  # the writer makes it and its event file at once
+                self._make_parents(board)
+                self._own.trees.append(board)
             self.add_sink(TensorBoardSink(tensorboard))
+        if self._own.paths or self._own.trees:
+            _CREATED.append(self._own)
+
+    def _make_parents(self, path: Path) -> None:
+        missing = [p for p in path.parents if not p.exists()]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._own.paths.extend(missing)
+
+    def discard(self) -> None:
+        """Close; if no training record was written yet, remove the files and folders this
+        logger created (never a log it appended to, nor a non-empty folder)."""
+        self.close()
+        self._own.remove()
 
     def add_sink(self, sink: Any) -> None:
         """Forward every record from now on to ``sink.write(record)`` (plain JSON values, as
@@ -269,6 +303,8 @@ class RunLogger:
             return
         if "kind" not in record:
             raise ValueError(f"run-log records need a 'kind', got keys {sorted(record)}")
+        if record["kind"] != "header":
+            self._own.started = True
         plain = _to_json(dict(record))
         if self._file is not None:
             line = json.dumps(plain, allow_nan=False, separators=(", ", ": "))
@@ -293,6 +329,9 @@ class RunLogger:
             if f is not None:
                 f.close()
         self._file = self._console_file = None
+        if self._own.started:  # a log with training records is never discarded
+            with contextlib.suppress(ValueError):
+                _CREATED.remove(self._own)
         for sink in self._sinks:
             sink.close()
         self._sinks = []
@@ -305,10 +344,9 @@ class RunLogger:
 
     # -- records ------------------------------------------------------------------------------
     def header(self, header: Mapping[str, Any]) -> None:
-        """Write the header record (see :func:`make_header`); print the parsed arguments."""
+        """Write the header record (see :func:`make_header`). Nothing is printed: the header
+        holds the configuration (a script's ``--print-config`` prints it readably)."""
         self.write(header)
-        config = header.get("config") or {}
-        self.info("Namespace(" + ", ".join(f"{k}={v!r}" for k, v in config.items()) + ")")
 
     def step(
         self,
@@ -394,6 +432,50 @@ class RunLogger:
             {"kind": "end", "total_time": total_time, "steps": steps, "epochs": epochs, **metrics}
         )
         self.info(f"Training time for {epochs} epochs: {total_time:.2f} sec.")
+
+
+@dataclasses.dataclass(eq=False)
+class _Created:
+    """The files (then the folders made for them) one :class:`RunLogger` created, and whether
+    it has written a training record. Kept apart from the logger, which may be gone (its
+    frame unwound by the error) when :func:`discard_unstarted_logs` runs."""
+
+    logger: weakref.ref[RunLogger]
+    paths: list[Path] = dataclasses.field(default_factory=list)
+    trees: list[Path] = dataclasses.field(default_factory=list)  # made whole: rmtree
+    started: bool = False
+
+    def remove(self) -> None:
+        with contextlib.suppress(ValueError):
+            _CREATED.remove(self)
+        logger = self.logger()
+        if logger is not None:
+            logger.close()
+        if self.started:
+            return
+        for tree in self.trees:  # a TensorBoard folder this logger made, with its events
+            shutil.rmtree(tree, ignore_errors=True)
+        self.trees = []
+        files = [p for p in self.paths if not p.is_dir()]
+        folders = sorted(set(self.paths) - set(files), key=lambda p: -len(p.parts))
+        for path in files + folders:  # the innermost folders first
+            with contextlib.suppress(OSError):
+                if path in files:
+                    path.unlink()
+                else:
+                    path.rmdir()  # only if empty
+        self.paths = []
+
+
+_CREATED: list[_Created] = []
+
+
+def discard_unstarted_logs() -> None:
+    """:meth:`RunLogger.discard` every logger of this process that created a file: a run that
+    fails with an expected error before training leaves no partial log (logs with training
+    records are kept: they show where the run stopped)."""
+    for created in list(_CREATED):
+        created.remove()
 
 
 def gluonnlp_step_line(batches_per_epoch: int) -> Callable[[Mapping[str, Any]], str]:

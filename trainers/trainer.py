@@ -47,6 +47,20 @@ Contracts with the script:
 Batch sizes: ``config.batch_size`` is per rank and per micro-step; one optimizer step
 consumes ``batch_size * grad_accum_steps * world_size`` samples.
 
+Non-finite losses: a NaN or infinite training loss on any rank stops :meth:`fit` with
+:class:`~trainers.errors.NonFiniteError`, naming the step and the likely cause (the
+learning rate, clipping, fp16). Without a host sync per step: each rank keeps its first
+bad step on the device, and the ranks agree (one small all-reduce) where the loop waits
+anyway: the log interval's reduction, the end of an epoch, before every evaluation and
+checkpoint, and the end of ``fit`` (which also checks the weights). ``config.skip_nonfinite
+= N`` instead skips the update of up to N such steps (agreed every step) and reports
+``nonfinite_steps_skipped`` in the end record. fp16 steps whose *gradients* overflow with a
+finite loss stay the GradScaler's business (skipped, scale lowered, not counted here).
+
+A ``fit`` that ends early (``max_steps`` inside an epoch, or :meth:`request_stop`) evaluates
+the model it has (when it has an eval dataset and this step was not evaluated yet), and the
+end record's ``epochs`` counts the cut-short epoch's fraction (e.g. ``0.0312``).
+
 Example:
     >>> env = DistEnv.from_env()
     >>> trainer = Trainer(model, optimizer, TrainerConfig(epochs=2, batch_size=32), env=env,
@@ -58,7 +72,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -67,12 +83,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ._dtensor import is_pipeline_parallel, is_tensor_parallel
+from ._dtensor import is_pipeline_parallel, is_tensor_parallel, local_tensor
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import AverageCombiner, GradCombiner
 from .config import _PRECISIONS, TrainerConfig
 from .data import SeededDataset, ShardedSampler, derive_seed
 from .dist import DistEnv
+from .errors import NonFiniteError
 from .logs import RunLogger, progress_bar
 from .loop_state import Meter as _Meter
 from .loop_state import elapsed as _elapsed
@@ -189,6 +206,12 @@ class Trainer:
         )
         self._paused = 0.0  # seconds spent evaluating and saving (excluded from speed)
         self._last_saved_step: int | None = None
+        self._last_eval_step: int | None = None  # global step of the latest evaluation
+        # This rank's first non-finite loss since the last check: its (1-based) step and
+        # value, 0-d tensors on the loss's device (no host sync); see _watch_loss.
+        self._bad_step: torch.Tensor | None = None
+        self._bad_loss: torch.Tensor | None = None
+        self.nonfinite_skipped: list[int] = []  # steps whose update skip_nonfinite skipped
         self.train_sampler: ShardedSampler | None = None  # fit's sampler (read by hooks)
         self.env.seed_everything(config.seed)
 
@@ -229,6 +252,7 @@ class Trainer:
             )
             finished_epoch = True
             skip = False
+            pending: list[tuple[Mapping[str, Any], torch.Tensor]] = []  # skip_nonfinite
             for j, batch in enumerate(bar):
                 # ---- one micro-step: forward + backward, no gradient sync unless last -------
                 if j % cfg.grad_accum_steps == 0:  # the last step of an epoch may be shorter
@@ -256,14 +280,25 @@ class Trainer:
                     if self._slow_factor:  # --inject-straggler: this rank computes slower
                         time.sleep(self._slow_factor * (time.perf_counter() - started))
                     self._metric_names = list(metrics)
-                    self._interval.update(metrics, loss)
-                    self._epoch_meter.update(metrics, loss)
+                    self._watch_loss(loss)
+                    if cfg.skip_nonfinite:  # counted once the step is known to be finite
+                        pending.append((metrics, loss.detach()))
+                    else:
+                        self._interval.update(metrics, loss)
+                        self._epoch_meter.update(metrics, loss)
                 step_samples += micro_sizes[j]
                 if not last_micro:
                     continue
 
                 # ---- the optimizer step --------------------------------------------------
-                lr = self._optimizer_step()
+                if cfg.skip_nonfinite and self._skip_nonfinite_step():  # a collective
+                    lr = self._skipped_update()
+                else:
+                    for sums, value in pending:
+                        self._interval.update(sums, value)
+                        self._epoch_meter.update(sums, value)
+                    lr = self._optimizer_step()
+                pending = []
                 self.global_step += 1
                 self.epoch_step += 1
                 self.epoch_samples += step_samples
@@ -273,6 +308,7 @@ class Trainer:
                 self._call_hooks("on_step_end", self.global_step)
 
                 if cfg.log_interval and self.epoch_step % cfg.log_interval == 0:
+                    self._check_nonfinite()  # the reduction below waits for the step anyway
                     loss_mean, means = self._interval.reduce(env)  # syncs: honest timing
                     seconds = _elapsed(interval_start, interval_paused, self._paused)
                     self.logger.step(
@@ -306,6 +342,12 @@ class Trainer:
                 break
             self._end_epoch(epoch, epoch_seconds, epoch_samples, eval_dataset, collate_fn)
 
+        # a non-finite loss (or, from the last update, weights) never ends a fit quietly
+        self._check_nonfinite(weights=self.pipeline is None and not self.tensor_parallel)
+        if self.epoch < cfg.epochs and self._last_eval_step != self.global_step:
+            # ended early (max_steps, request_stop): evaluate the model it has
+            between = self.epoch_samples == 0 and self.epoch > 0
+            self._evaluate_and_log(eval_dataset, collate_fn, epoch=self.epoch - int(between))
         self.combiner.close()  # background communication (async gossip) ends with fit
         if cfg.save_dir and not self._saved_at_current_step():
             self._save_named("latest.pt")
@@ -317,7 +359,11 @@ class Trainer:
                 final.update(more())
         if "loss" in self.last_epoch:
             final["train_loss"] = self.last_epoch["loss"]
-        self.logger.end(total_time=total_time, steps=self.global_step, epochs=self.epoch, **final)
+        if cfg.skip_nonfinite:
+            final["nonfinite_steps_skipped"] = len(self.nonfinite_skipped)
+        self.logger.end(
+            total_time=total_time, steps=self.global_step, epochs=self._epochs_done(), **final
+        )
         self._call_hooks("on_train_end", final)
         return final
 
@@ -363,6 +409,7 @@ class Trainer:
     ) -> None:
         """Epoch record, evaluation, then the checkpoint of the next epoch's start."""
         cfg = self.config
+        self._check_nonfinite()
         loss, means = self._epoch_meter.reduce(self.env)
         self.last_epoch = {"loss": loss, **means}
         run_seconds = seconds - self._epoch_seconds  # this process's share, for the speed
@@ -476,6 +523,128 @@ class Trainer:
             return True
         return self.config.max_steps is not None and self.global_step >= self.config.max_steps
 
+    def _epochs_done(self) -> float:
+        """Epochs trained: whole ones, plus the fraction of one cut short (the end record)."""
+        sampler = self.train_sampler
+        if not self.epoch_samples or sampler is None:
+            return self.epoch
+        n, batch = sampler.num_samples, sampler.global_batch_size
+        per_epoch = n - n % batch if sampler.drop_last else n
+        return round(self.epoch + self.epoch_samples / max(per_epoch, 1), 4)
+
+    # ======================================================================================
+    # non-finite losses
+    # ======================================================================================
+    def _watch_loss(self, loss: torch.Tensor) -> None:
+        """Remember this rank's first non-finite loss and its step, on the device (no sync)."""
+        value = loss.detach()
+        if self._bad_step is None or self._bad_loss is None:
+            self._bad_step = torch.zeros((), dtype=torch.float64, device=value.device)
+            self._bad_loss = torch.zeros((), dtype=torch.float64, device=value.device)
+        keep = torch.isfinite(value) | (self._bad_step > 0)  # a few tiny kernels, no sync
+        self._bad_step = torch.where(keep, self._bad_step, float(self.global_step + 1))
+        self._bad_loss = torch.where(keep, self._bad_loss, value)
+
+    def _agree_nonfinite(self, *, weights: bool = False) -> tuple[int, float, int, str] | None:
+        """A collective: the earliest non-finite loss of any rank since the last check, as
+        ``(step, loss, rank, "")``; with ``weights``, else the first non-finite parameter as
+        ``(step, nan, rank, name)``; ``None`` when all is finite. One all-reduce of 3 numbers
+        per rank: every rank gets the same answer, so all of them raise (or go on) together."""
+        env = self.env
+        row = torch.zeros(3, dtype=torch.float64, device=env.device)
+        if self._bad_step is not None and self._bad_loss is not None:
+            row[0] = self._bad_step.to(env.device)
+            row[1] = self._bad_loss.to(env.device)
+        names: list[str] = []
+        if weights:
+            named = [(n, local_tensor(p.detach())) for n, p in self.model.named_parameters()]
+            if named:
+                names = [n for n, _ in named]
+                with torch.no_grad():
+                    bad = ~torch.stack([torch.isfinite(p).all().to(env.device) for _, p in named])
+                    first = bad.to(torch.float64).argmax() + 1
+                    row[2] = torch.where(bad.any(), first, 0.0)
+        vector = torch.zeros(3 * env.world_size, dtype=torch.float64, device=env.device)
+        vector[3 * env.rank : 3 * env.rank + 3] = row
+        rows = env.all_reduce_sum(vector).view(-1, 3).tolist()  # the one host sync
+        losses = [(int(step), loss, rank) for rank, (step, loss, _) in enumerate(rows) if step]
+        if losses:
+            step, loss, rank = min(losses)
+            return step, loss, rank, ""
+        params = [(rank, int(index)) for rank, (_, _, index) in enumerate(rows) if index]
+        if params:
+            rank, index = params[0]
+            name = names[index - 1] if index <= len(names) else f"#{index - 1}"
+            return self.global_step, math.nan, rank, name
+        return None
+
+    def _check_nonfinite(self, *, weights: bool = False) -> None:
+        """A collective: raise :class:`NonFiniteError` if some rank saw a non-finite loss
+        (or, with ``weights``, holds a non-finite parameter)."""
+        found = self._agree_nonfinite(weights=weights)
+        if found is not None:
+            raise NonFiniteError(self._nonfinite_message(*found))
+
+    def _skip_nonfinite_step(self) -> bool:
+        """``skip_nonfinite``: whether this step's loss was non-finite on some rank (a
+        collective, every step); such a step is skipped, the (N+1)-th one raises."""
+        found = self._agree_nonfinite()
+        if found is None:
+            return False
+        self._bad_step = self._bad_loss = None  # handled: the next bad step is a new one
+        step, loss, rank, _ = found
+        if len(self.nonfinite_skipped) >= self.config.skip_nonfinite:
+            raise NonFiniteError(self._nonfinite_message(*found))
+        self.nonfinite_skipped.append(step)
+        where = f" on rank {rank}" if self.env.world_size > 1 else ""
+        self.logger.info(
+            f"step {step}: non-finite loss ({loss}){where}, its update skipped "
+            f"({len(self.nonfinite_skipped)} of --skip-nonfinite {self.config.skip_nonfinite})"
+        )
+        return True
+
+    def _skipped_update(self) -> float:
+        """No update for this step: its gradients are dropped; the optimizer, loss scaler and
+        combiner are not called; a torch ``LRScheduler`` still advances with the step count,
+        as a callable schedule does. Returns the lr the step would have had."""
+        names = self._metric_names or []
+        self._interval.touch(names)  # every rank still offers the same metric vector
+        self._epoch_meter.touch(names)
+        lr = self.lr_at(self.global_step)
+        self.optimizer.zero_grad(set_to_none=True)
+        if isinstance(self.lr_schedule, torch.optim.lr_scheduler.LRScheduler):
+            with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()"
+                warnings.simplefilter("ignore", UserWarning)
+                self.lr_schedule.step()
+        return lr
+
+    def _nonfinite_message(self, step: int, loss: float, rank: int, parameter: str) -> str:
+        """What went wrong where, and the flags most likely at fault."""
+        where = f" on rank {rank}" if self.env.world_size > 1 else ""
+        if parameter:
+            what = f"non-finite weights after step {step}{where} (parameter {parameter!r})"
+        else:
+            what = f"non-finite loss ({loss}) at step {step}{where}"
+        skipped = self.config.skip_nonfinite
+        if skipped and len(self.nonfinite_skipped) >= skipped:
+            steps = ", ".join(str(s) for s in self.nonfinite_skipped)
+            what += f", one more than --skip-nonfinite {skipped} tolerates (skipped: {steps})"
+        if step <= 1 and not parameter:
+            return (
+                f"{what}, before any update: check the data (a NaN or inf input) and the loss "
+                "function; --skip-nonfinite N skips up to N such steps"
+            )
+        fixes = [f"lower --lr (now {self.lr_at(max(step - 2, 0)):g})"]
+        if self.config.clip_grad_norm is None:
+            fixes.append("clip the gradients (--clip-grad-norm, where the script has it)")
+        if self.config.precision == "fp16":
+            fixes.append("train in --dtype bfloat16 or float32")
+        advice = fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + " or " + fixes[-1]
+        return (
+            f"{what}: the training diverged; {advice}; --skip-nonfinite N skips up to N steps "
+            "with a non-finite loss"
+        )
+
     # ======================================================================================
     # data
     # ======================================================================================
@@ -548,6 +717,7 @@ class Trainer:
         """
         if self.eval_step is None:
             raise ValueError("evaluation needs an eval_step; pass eval_step= to the Trainer")
+        self._check_nonfinite()  # a collective: no rank evaluates a diverged model
         env = self.env
         self.combiner.synchronize()  # replicas that drifted apart (local SGD, CSER) agree
         if self.pipeline is not None:  # every stage's weights on every rank: the whole model
@@ -578,17 +748,22 @@ class Trainer:
         metrics = meter.reduce(env, keys)[1]
         if remember:
             self.last_eval = dict(metrics)
+            self._last_eval_step = self.global_step
         return metrics
 
     def _evaluate_and_log(
-        self, dataset: Dataset | None, collate_fn: Callable[[list[Any]], Any] | None
+        self,
+        dataset: Dataset | None,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        *,
+        epoch: int | None = None,
     ) -> None:
         if dataset is None or self.eval_step is None:
             return
         start = time.perf_counter()
-        metrics = self.evaluate(dataset, collate_fn)
-        self.last_eval = metrics
-        self.logger.eval(epoch=self.epoch, step=self.global_step, **metrics)
+        metrics = self.evaluate(dataset, collate_fn, remember=True)
+        epoch = self.epoch if epoch is None else epoch
+        self.logger.eval(epoch=epoch, step=self.global_step, **metrics)
         self._call_hooks("on_eval_end", dict(metrics))
         self._paused += time.perf_counter() - start
 
@@ -599,8 +774,10 @@ class Trainer:
         """Everything needed to continue; a collective (every rank calls it).
 
         Returns the state on rank 0 and ``None`` elsewhere: per-rank parts (RNG states,
-        combiner state, partial metric sums) are gathered to rank 0.
+        combiner state, partial metric sums) are gathered to rank 0. Raises
+        :class:`NonFiniteError` on every rank when some rank saw a non-finite loss.
         """
+        self._check_nonfinite()
         model = self.combiner.checkpoint_model()  # a collective too (DEF: the average)
         shards = None
         if self.tensor_parallel:  # gathering the shards is a collective over the tp group
@@ -675,6 +852,8 @@ class Trainer:
             "ranks": ranks,
             "last_eval": dict(self.last_eval),
             "last_epoch": dict(self.last_epoch),
+            "last_eval_step": self._last_eval_step,
+            "nonfinite_skipped": list(self.nonfinite_skipped),
         }
 
     def save_checkpoint(
@@ -762,6 +941,8 @@ class Trainer:
         self._epoch_seconds = float(state["epoch_seconds"])
         self.last_eval = dict(state["last_eval"])
         self.last_epoch = dict(state["last_epoch"])
+        self._last_eval_step = state.get("last_eval_step")  # absent in older checkpoints
+        self.nonfinite_skipped = [int(s) for s in state.get("nonfinite_skipped", [])]
         for hook, hook_state in zip(self.hooks, state["hooks"], strict=False):
             if hook_state is not None and hasattr(hook, "load_state_dict"):
                 hook.load_state_dict(hook_state)

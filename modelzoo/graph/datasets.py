@@ -16,7 +16,12 @@
   graphs of any size, for tests, benchmarks and the published runs.
 
 Nothing is downloaded unless asked (``download=True``): a missing dataset raises
-:class:`DatasetNotFoundError` saying which files to place where. Every graph comes back as a
+:class:`DatasetNotFoundError` saying which files to place where. Downloads go through the
+store (:func:`modelzoo.store.fetch_data`: verified, locked, renamed into place, mirrored by
+``$MODELZOO_DATA_URL``): the Planetoid files against the git blob ids the Planetoid
+repository pins (:data:`PLANETOID_BLOBS`, registered as the data sets ``cora``, ``citeseer``
+and ``pubmed`` in :mod:`modelzoo.data`); OGB publishes no checksum of its zips, so an OGB
+download needs the sha256 of the archive from the caller. Every graph comes back as a
 ``torch_geometric.data.Data`` with ``x``, ``edge_index`` (both directions of every
 undirected edge, sorted by target), ``y`` and boolean ``train_mask``/``val_mask``/``test_mask``;
 where the source names its classes, ``class_names`` holds them in the order of ``y``
@@ -41,7 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..store import DownloadError, cache_root, download_to
+from ..data import DataFile, DataSet, register_dataset
+from ..store import GIT_SHA1, DownloadError, cache_root, fetch_data
 from ._graph_data import _data, _index_mask
 from .synthetic import (
     SBM_GRAPH_CLASS_NAMES,
@@ -58,6 +64,7 @@ __all__ = [
     "KARATE_CLUB_LABELS",
     "KARATE_CLUB_NAMES",
     "OGB_URL",
+    "PLANETOID_BLOBS",
     "PLANETOID_NAMES",
     "PLANETOID_URL",
     "dataset_root",
@@ -79,6 +86,36 @@ __all__ = [
 PLANETOID_NAMES = ("cora", "citeseer", "pubmed")
 PLANETOID_URL = "https://github.com/kimiyoung/planetoid/raw/master/data"
 PLANETOID_SUFFIXES = ("x", "tx", "allx", "y", "ty", "ally", "graph", "test.index")
+#: The Planetoid files' git blob ids (``git ls-tree -r af6abf468a772cc055bec88c52e4d6f51b7c37e3
+#: data/`` in github.com/kimiyoung/planetoid, its last commit): GitHub serves exactly these
+#: blobs at :data:`PLANETOID_URL`, and the store checks them as ``"git-sha1"`` (``git
+#: hash-object FILE`` prints the same id).
+PLANETOID_BLOBS = {
+    "ind.citeseer.allx": "592091071ac35b78599c722d0e60b1c655711728",
+    "ind.citeseer.ally": "7503f81a0b6ac1cc21cb5a97073542a6b1dfe99c",
+    "ind.citeseer.graph": "a01dca663d0103c130f525017a4a9c313037e286",
+    "ind.citeseer.test.index": "62d9e3d5ed53c66b069125af98529d76c70d9b3e",
+    "ind.citeseer.tx": "b2aff18aa1fc6f4f5e8c64db7643b59b24e42584",
+    "ind.citeseer.ty": "3795f79df0cd1123f4478b77c148a5fbacc4cefb",
+    "ind.citeseer.x": "f094104a66f2689ffbd01085fe6a856689e9db9e",
+    "ind.citeseer.y": "e857ac49b611da98e101a068cf4855350274f68a",
+    "ind.cora.allx": "44d53b1fece343538e45592caac521d73c6f98d6",
+    "ind.cora.ally": "04fbd0b083d09341fcf16b395c642329637f0542",
+    "ind.cora.graph": "4d3bf85dfc8b1c105a2c995597a1b3eed6947925",
+    "ind.cora.test.index": "ded8092db4cd767a367eebe09003b954a5316f24",
+    "ind.cora.tx": "6e856d777401ee15dc8619db76c97d0a40ba2d60",
+    "ind.cora.ty": "da1734ab670b5c8ecee78a9c30b35566df916f4b",
+    "ind.cora.x": "c4a91d008245403e7f26aa616b437191509793c0",
+    "ind.cora.y": "58e30ef120d3553cfaac33ff28c6b5436dbef661",
+    "ind.pubmed.allx": "3b86bccf08111c37c632a9dd8ab63db25ea76361",
+    "ind.pubmed.ally": "4c8bcdc80882dd225fe4dd4fafd723baa616ac97",
+    "ind.pubmed.graph": "76eb87e628a6b9d43fc31ea42c8c6c8f3e52b404",
+    "ind.pubmed.test.index": "41f6befcb7750cc4858cb852f2b349a9598cb2f4",
+    "ind.pubmed.tx": "eee4f3c988fde0da87a9ec7b01ca5e7863c1b1f1",
+    "ind.pubmed.ty": "225a0bb9bb6430e3925d04688daf6a0da964c07a",
+    "ind.pubmed.x": "16c0eca8d2b3297014ff80327416f9332eda10d7",
+    "ind.pubmed.y": "e86670576c85340eeb2271b3c918bfa89322b2cf",
+}
 OGB_URL = "http://snap.stanford.edu/ogb/data/nodeproppred"
 
 
@@ -370,6 +407,7 @@ def load_ogb_node(
     *,
     split: str | None = None,
     download: bool = False,
+    sha256: str | None = None,
     to_undirected: bool = True,
 ) -> Any:
     """An OGB node-property dataset (``ogbn-products``, ``ogbn-arxiv``, ...) from its files.
@@ -378,7 +416,9 @@ def load_ogb_node(
         name: The dataset name, e.g. ``"ogbn-products"``; its folder is ``root``.
         root: Directory holding ``raw/`` and ``split/`` (default :func:`dataset_root`).
         split: The split scheme folder under ``split/`` (default: the only one there).
-        download: Fetch and unpack ``<name>.zip`` from :data:`OGB_URL` first.
+        download: Fetch and unpack ``<name>.zip`` from :data:`OGB_URL` first (needs ``sha256``).
+        sha256: The sha256 of ``<name>.zip`` to check the download against: OGB publishes
+            none, so the caller supplies the digest of the copy they trust.
         to_undirected: Add reverse edges (DGL/PyG do for products; arxiv is symmetrized too
             in their examples).
 
@@ -393,7 +433,7 @@ def load_ogb_node(
     """
     root = Path(root) if root is not None else dataset_root(name)
     if download:
-        download_ogb_node(name, root)
+        download_ogb_node(name, root, sha256=sha256)
     raw = root / "raw"
     needed = [raw / "edge.csv.gz", raw / "node-feat.csv.gz", raw / "node-label.csv.gz"]
     schemes = (
@@ -572,40 +612,84 @@ def load_npz_graph(path: str | os.PathLike[str], *, undirected: bool = True) -> 
 
 
 # -------------------------------------------------------------------------------- download
-def _download_file(url: str, dest: Path, timeout: float = 60.0) -> None:
-    """``url`` into ``dest`` through the store's downloader (temp file, rename, lock)."""
-    download_to(url, dest, timeout=timeout)
+def _planetoid_dataset(name: str, base_url: str = PLANETOID_URL) -> DataSet:
+    """The data set of Planetoid ``name``: its 8 files at ``base_url``, by their blob ids."""
+    files = {}
+    for suffix in PLANETOID_SUFFIXES:
+        file_name = f"ind.{name}.{suffix}"
+        files[suffix] = DataFile(
+            url=f"{base_url.rstrip('/')}/{file_name}",
+            hash_prefix=PLANETOID_BLOBS[file_name],
+            hash_algo=GIT_SHA1,
+            hash_source="git ls-tree -r af6abf4 data/ of github.com/kimiyoung/planetoid",
+        )
+    return DataSet(
+        name=name,
+        files=files,
+        folder=name,
+        description=f"Planetoid {name} (Yang et al. 2016), the standard semi-supervised split",
+        homepage="https://github.com/kimiyoung/planetoid",
+        license="as published by the Planetoid authors (no license file)",
+    )
+
+
+for _name in PLANETOID_NAMES:
+    register_dataset(_planetoid_dataset(_name))
 
 
 def download_planetoid(
     name: str, root: str | os.PathLike[str], *, base_url: str = PLANETOID_URL
 ) -> Path:
-    """Fetch the missing ``ind.<name>.*`` files from ``base_url`` into ``root``."""
+    """Fetch the ``ind.<name>.*`` files from ``base_url`` into ``root``, each verified
+    against its git blob id (:data:`PLANETOID_BLOBS`); verified files present stay."""
     root = Path(root)
-    for suffix in PLANETOID_SUFFIXES:
-        dest = root / f"ind.{name}.{suffix}"
-        if not dest.is_file():
-            _download_file(f"{base_url.rstrip('/')}/{dest.name}", dest)
+    for data_file in _planetoid_dataset(name, base_url).files.values():
+        fetch_data(
+            data_file.url,
+            root / data_file.file_name,
+            hash_prefix=data_file.hash_prefix,
+            hash_algo=data_file.hash_algo,
+            progress=False,
+        )
     return root
 
 
-def download_ogb_node(name: str, root: str | os.PathLike[str], *, base_url: str = OGB_URL) -> Path:
-    """Fetch ``<base_url>/<short name>.zip`` and unpack its dataset folder into ``root``.
+def download_ogb_node(
+    name: str,
+    root: str | os.PathLike[str],
+    *,
+    sha256: str | None = None,
+    base_url: str = OGB_URL,
+) -> Path:
+    """Fetch ``<base_url>/<short name>.zip``, check its ``sha256`` and unpack its dataset
+    folder into ``root``.
 
     OGB zips hold one top folder (``products/raw/...``); its content becomes ``root``. The
-    archive is unpacked into a temporary folder next to ``root`` and renamed into place, after
-    rejecting absolute paths and ``..`` members.
+    archive is downloaded through the store (verified, ``$MODELZOO_DATA_URL`` mirror), unpacked
+    into a temporary folder next to ``root`` and renamed into place, after rejecting absolute
+    paths and ``..`` members.
+
+    Raises:
+        DatasetNotFoundError: ``sha256`` not given (OGB publishes no checksum, and an
+            unverified archive is not unpacked); the message says what to do instead.
     """
     root = Path(root)
     if (root / "raw" / "edge.csv.gz").is_file():
         return root
-    root.parent.mkdir(parents=True, exist_ok=True)
     short = name.removeprefix("ogbn-")
     url = f"{base_url.rstrip('/')}/{short}.zip"
+    if sha256 is None:
+        raise DatasetNotFoundError(
+            f"OGB dataset {name!r}: OGB publishes no checksum of {url}, and this project "
+            "downloads no file it cannot verify. Pass the sha256 of the copy you trust "
+            f"(sha256=... in Python, --ogb-sha256 HEX to train_gnn.py), or unzip {short}.zip "
+            f"by hand so that {root} holds raw/ and split/."
+        )
+    root.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}."))
     try:
         archive = work / f"{short}.zip"
-        _download_file(url, archive)
+        fetch_data(url, archive, hash_prefix=sha256, progress=False)
         try:
             with zipfile.ZipFile(archive) as zf:
                 names = zf.namelist()

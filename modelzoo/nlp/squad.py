@@ -6,6 +6,9 @@ post-processing rules are those of Google's ``run_squad.py`` as GluonNLP's
 ``finetune_squad.py`` uses them; answer text is cut from the context by the WordPiece
 character offsets (as Hugging Face's ``run_qa.py``).
 
+* :data:`SQUAD_DATASETS` / :func:`squad_file`: the official files by name (``"squad1.1"``,
+  ``"squad2.0"``; GluonNLP's ``SQuAD(segment, version)``), fetched from the SQuAD site and
+  verified against their published sha256 by the store (:mod:`modelzoo.data`).
 * :func:`read_squad` reads the official JSON format, checks every question (fields present,
   non-empty context, ``answer_start`` pointing at the answer text) and raises an error naming
   the question id, or with ``skip_bad=True`` skips, counts and reports it.
@@ -20,7 +23,7 @@ character offsets (as Hugging Face's ``run_qa.py``).
 * :func:`squad_v1_metrics` / :func:`squad_v2_metrics` are the official ``evaluate-v1.1.py`` /
   ``evaluate-v2.0.py`` scores (x100).
 
-(Why one module of about 670 lines: reading, windowing, post-processing and the official
+(Why one module of about 790 lines: reading, windowing, post-processing and the official
 metric are one pipeline whose character/token offset conventions must agree end to end.)
 """
 
@@ -40,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..data import DataFile, DataSet, register_dataset
 from ..fileio import atomic_write_text
 from .tokenizer import BertTokenizer
 
@@ -50,6 +54,8 @@ __all__ = [
     "SquadFormatError",
     "SquadSet",
     "SpanPrediction",
+    "SQUAD_DATASETS",
+    "SQUAD_URL",
     "exact_match_score",
     "f1_score",
     "make_features",
@@ -58,6 +64,7 @@ __all__ = [
     "postprocess",
     "read_squad",
     "score_example",
+    "squad_file",
     "squad_v1_metrics",
     "squad_v2_metrics",
     "write_predictions",
@@ -112,6 +119,93 @@ class SquadSet:
             more = f"; and {len(self.skipped) - 5} more" if len(self.skipped) > 5 else ""
             text += f", skipped {len(self.skipped)} malformed: {shown}{more}"
         return text
+
+
+# ---------------------------------------------------------------------------------------------
+# The official files, by name
+# ---------------------------------------------------------------------------------------------
+
+#: Where the SQuAD authors publish the data set (https://rajpurkar.github.io/SQuAD-explorer/).
+SQUAD_URL = "https://rajpurkar.github.io/SQuAD-explorer/dataset"
+
+# The sha256 digests and sizes of the four official files at SQUAD_URL, as two independent
+# references pin them for these exact URLs (they agree on every digit):
+#   Hugging Face datasets: datasets/squad/dataset_infos.json and
+#     datasets/squad_v2/dataset_infos.json ("download_checksums");
+#   TensorFlow Datasets: tensorflow_datasets/question_answering/squad/checksums.tsv.
+# GluonNLP (scripts/datasets/url_checksums/squad.txt) pins the sha1 of the same URLs with the
+# same sizes: train-v1.1 1faea125..., dev-v1.1 e1621aae..., train-v2.0 ceb2acde..., dev-v2.0
+# 53ebaeb1... (GluonNLP 0.x's SQuAD class pinned 846082d1... for dev-v2.0: the JSON inside
+# its own S3 zip, not this URL's bytes).
+_SQUAD_SHA256 = {
+    ("1.1", "train"): ("3527663986b8295af4f7fcdff1ba1ff3f72d07d61a20f487cb238a6ef92fd955", 30288272),
+    ("1.1", "dev"): ("95aa6a52d5d6a735563366753ca50492a658031da74f301ac5238b03966972c9", 4854279),
+    ("2.0", "train"): ("68dcfbb971bd3e96d5b46c7177b16c1a4e7d4bdef19fb204502738552dede002", 42123633),
+    ("2.0", "dev"): ("80a5225e94905956a6446d296ca1093975c4d3b3260f1d6c8f68bc2ab77182d8", 4370528),
+}  # fmt: skip
+_SQUAD_HASH_SOURCE = (
+    "Hugging Face datasets datasets/{hf}/dataset_infos.json; TensorFlow Datasets "
+    "tensorflow_datasets/question_answering/squad/checksums.tsv"
+)
+
+#: ``"1.1"`` / ``"2.0"`` -> the registered :class:`~modelzoo.data.DataSet` (``"squad1.1"``,
+#: ``"squad2.0"``), parts ``"train"`` and ``"dev"``, in ``$MODELZOO_HOME/datasets/squad``.
+SQUAD_DATASETS: dict[str, DataSet] = {
+    version: register_dataset(
+        DataSet(
+            name=f"squad{version}",
+            files={
+                split: DataFile(
+                    url=f"{SQUAD_URL}/{split}-v{version}.json",
+                    hash_prefix=_SQUAD_SHA256[version, split][0],
+                    num_bytes=_SQUAD_SHA256[version, split][1],
+                    hash_source=_SQUAD_HASH_SOURCE.format(
+                        hf="squad" if version == "1.1" else "squad_v2"
+                    ),
+                )
+                for split in ("train", "dev")
+            },
+            folder="squad",
+            description=f"SQuAD v{version}, the official train and dev files"
+            + (" (with unanswerable questions)" if version == "2.0" else ""),
+            homepage="https://rajpurkar.github.io/SQuAD-explorer/",
+            license="CC BY-SA 4.0",
+        )
+    )
+    for version in ("1.1", "2.0")
+}
+
+
+def squad_file(
+    version: str = "1.1",
+    split: str = "train",
+    *,
+    root: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+) -> Path:
+    """The official SQuAD file (``train-v1.1.json``, ``dev-v2.0.json``, ...), verified.
+
+    GluonNLP's ``SQuAD(segment, version)`` as a path: the file is looked for in ``root``
+    (default ``$MODELZOO_HOME/datasets/squad``) and downloaded from :data:`SQUAD_URL` (or
+    ``$MODELZOO_DATA_URL``) when missing or not the published bytes. Read it with
+    :func:`read_squad`.
+
+    Args:
+        version: ``"1.1"`` or ``"2.0"``.
+        split: ``"train"`` or ``"dev"``.
+        root: The folder of the files.
+        progress: Show a download progress bar (on a terminal).
+
+    Raises:
+        ValueError: Unknown version or split.
+        FileNotFoundError: ``MODELZOO_OFFLINE=1`` and the file is not there.
+        modelzoo.store.DownloadError: It could not be downloaded. Both messages name the
+            file, its URL and the path to put it at.
+        modelzoo.store.ChecksumError: The bytes served are not the published file.
+    """
+    if version not in SQUAD_DATASETS:
+        raise ValueError(f"SQuAD version must be one of {list(SQUAD_DATASETS)}, got {version!r}")
+    return SQUAD_DATASETS[version].fetch(split, root, progress=progress)
 
 
 # ---------------------------------------------------------------------------------------------

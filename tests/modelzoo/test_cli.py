@@ -117,3 +117,44 @@ def test_export_writes_a_program_at_the_artifacts_image_size(setup, tmp_path, ca
     with pytest.raises(SystemExit, match="image-size is for image models"):
         main(["export", "--model", "gcn_karate", "--output", str(tmp_path / "g.pt2"),
               "--image-size", "32"])  # fmt: skip
+
+
+def test_predict_mistakes_are_one_line_and_exit_2(setup, tmp_path, capsys):
+    """A bad image names the flag that skips it, and predict takes that flag; a missing file,
+    an unknown model and --question for an image model are one line each, exit status 2."""
+    from modelzoo.cli import run
+
+    art, val, _ = setup
+    good = str(sorted((val / "3").iterdir())[0])
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(b"not an image")
+    assert run(["predict", "--model", str(art), good, str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(bad) in err[0] and "--skip-bad-images" in err[0]
+    assert run(["predict", "--model", str(art), "--skip-bad-images", good, str(bad)]) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(x)["input"] for x in out.splitlines()] == [good]
+    assert f"skipped {bad}" in err and "skipped 1 unreadable image(s) of 2" in err
+    cases = {
+        ("predict", "--model", str(art), str(tmp_path / "missing.jpg")): "no such image file",
+        ("predict", "--model", "resnest1", good): "--model: Unknown model 'resnest1'",
+        ("predict", "--model", str(art), "--question", "Why?", "--context", "x"): "reads image",
+        ("evaluate", "--model", str(art), "--data-dir", str(tmp_path / "no")): "--data-dir",
+    }
+    for argv, expected in cases.items():
+        assert run(list(argv)) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0] and "Traceback" not in err[0], err
+
+
+def test_python_dash_m_modelzoo_reports_a_missing_file_in_one_line(setup, tmp_path):
+    art, _, _ = setup
+    out = subprocess.run(
+        [sys.executable, "-m", "modelzoo", "predict", "--model", str(art),
+         str(tmp_path / "missing.jpg")],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        f"python -m modelzoo predict: error: no such image file: {tmp_path / 'missing.jpg'}"
+    )

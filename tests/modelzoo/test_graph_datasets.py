@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import gzip
+import hashlib
 import io
 import os
 import pickle
@@ -22,7 +23,7 @@ import scipy.sparse as sp
 import torch
 
 from modelzoo.graph import datasets as gd
-from modelzoo.store import DownloadError
+from modelzoo.store import ChecksumError, DownloadError, file_hash
 
 from ..loopback import LocalServer
 
@@ -152,9 +153,13 @@ def test_missing_planetoid_says_where_to_put_the_files(tmp_path):
     assert gd.PLANETOID_URL in message and "download=True" in message
 
 
-def test_planetoid_download_from_a_local_server(tmp_path):
+def test_planetoid_download_from_a_local_server(tmp_path, monkeypatch):
+    monkeypatch.delenv("MODELZOO_DATA_URL", raising=False)
+    monkeypatch.delenv("MODELZOO_OFFLINE", raising=False)
     source = tmp_path / "source"
     _write_planetoid(source, "cora")
+    for path in source.iterdir():  # pin these files' git blob ids in place of Planetoid's
+        monkeypatch.setitem(gd.PLANETOID_BLOBS, path.name, file_hash(path, "git-sha1"))
     server = LocalServer()
     try:
         for path in source.iterdir():
@@ -165,15 +170,22 @@ def test_planetoid_download_from_a_local_server(tmp_path):
         assert data.num_nodes == 516
         assert server.total_hits == 8
         gd.download_planetoid("cora", root, base_url=server.url("planetoid/data"))
-        assert server.total_hits == 8  # present files are not fetched again
+        assert server.total_hits == 8  # present, verified files are not fetched again
         # a missing file on the host: DownloadError, and no partial file is left
         with pytest.raises(DownloadError, match="HTTP 404") as info:
             gd.download_planetoid(
                 "citeseer", tmp_path / "cs", base_url=server.url("planetoid/data")
             )
         assert "place the file by hand at" in str(info.value)
+        assert "MODELZOO_DATA_URL" in str(info.value)  # the data mirror, not the weights one
         assert "MODELZOO_REPO_URL" not in str(info.value)  # a weights mirror serves no data
         assert not any(p.name.endswith(".part") for p in (tmp_path / "cs").iterdir())
+        # bytes that are not the pinned blob: refused, nothing kept
+        monkeypatch.setitem(gd.PLANETOID_BLOBS, "ind.cora.x", "0" * 40)
+        with pytest.raises(ChecksumError, match="git-sha1"):
+            gd.download_planetoid("cora", tmp_path / "c2", base_url=server.url("planetoid/data"))
+        assert not (tmp_path / "c2" / "ind.cora.x").exists()
+        assert not any(p.name.endswith(".part") for p in (tmp_path / "c2").iterdir())
     finally:
         server.close()
 
@@ -245,10 +257,22 @@ def test_ogb_download_unpacks_a_served_zip(tmp_path):
         server.serve("ogb/products.zip", buffer.getvalue())
         server.serve("bad/products.zip", evil.getvalue())
         root = tmp_path / "data" / "ogbn-products"
-        gd.download_ogb_node("ogbn-products", root, base_url=server.url("ogb"))
+        # OGB publishes no checksum: without one, nothing is downloaded
+        with pytest.raises(gd.DatasetNotFoundError, match="no checksum.*--ogb-sha256"):
+            gd.download_ogb_node("ogbn-products", root, base_url=server.url("ogb"))
+        assert server.total_hits == 0 and not root.exists()
+        digest = hashlib.sha256(buffer.getvalue()).hexdigest()
+        with pytest.raises(ChecksumError):
+            gd.download_ogb_node("ogbn-products", root, sha256="0" * 64, base_url=server.url("ogb"))
+        assert not root.exists() and [p.name for p in root.parent.iterdir()] == []
+        gd.download_ogb_node("ogbn-products", root, sha256=digest, base_url=server.url("ogb"))
         assert gd.load_ogb_node("ogbn-products", root).num_nodes == len(truth["y"])
+        evil_digest = hashlib.sha256(evil.getvalue()).hexdigest()
         with pytest.raises(DownloadError, match="unsafe member names"):
-            gd.download_ogb_node("ogbn-products", tmp_path / "d3" / "p", base_url=server.url("bad"))
+            gd.download_ogb_node(
+                "ogbn-products", tmp_path / "d3" / "p", sha256=evil_digest,
+                base_url=server.url("bad"),
+            )  # fmt: skip
         assert not (tmp_path / "d3" / "escape.txt").exists()
         assert not (tmp_path / "d3" / "p").exists()
         assert [p.name for p in (tmp_path / "d3").iterdir()] == []  # no temp folder left

@@ -378,6 +378,24 @@ def test_zip_with_unsafe_member_is_rejected(server, home, evil):
     assert not (home / "evil.params").exists()
 
 
+def test_a_failed_zip_download_hint_names_the_archive_the_mirror_must_serve(server, home):
+    """GluonCV weights come as {name}.zip holding {name}.params: a mirror must serve the
+    .zip, and placing the .params by hand works; the hint says both, not one for the other."""
+    url = server.url("resnet50_v1b-0123abcd.zip")  # never served: HTTP 404
+    with pytest.raises(store.DownloadError) as info:
+        store.fetch(
+            url,
+            file_name="resnet50_v1b-0123abcd.params",
+            hash_prefix="0123abcd",
+            hash_algo="sha1",
+            archive_member="resnet50_v1b-0123abcd.params",
+            progress=False,
+        )
+    message = str(info.value)
+    assert "serves resnet50_v1b-0123abcd.zip (the archive holding" in message
+    assert f"by hand at {home / 'weights' / 'resnet50_v1b-0123abcd.params'}" in message
+
+
 def test_download_that_is_not_a_zip_raises(server, home):
     url = server.serve("model.zip", b"<html>mirror error page</html>")
     with pytest.raises(store.DownloadError, match="zip"):

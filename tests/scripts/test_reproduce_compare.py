@@ -188,10 +188,14 @@ def _published_log(tmp_path, extra_args=(), fingerprint="here"):
         header["fingerprint"] = reproduce.native_fingerprint()
     elif fingerprint is not None:
         header["fingerprint"] = fingerprint
-    records = [header] + [
-        {"kind": "step", "epoch": 0, "step": s, "loss": 1.0 / s, "samples_per_sec": 9.0}
-        for s in range(1, 7)
-    ] + [{"kind": "end", "steps": 6}]
+    records = (
+        [header]
+        + [
+            {"kind": "step", "epoch": 0, "step": s, "loss": 1.0 / s, "samples_per_sec": 9.0}
+            for s in range(1, 7)
+        ]
+        + [{"kind": "end", "steps": 6}]
+    )
     log = tmp_path / "published.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
     return log

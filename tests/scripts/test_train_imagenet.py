@@ -16,6 +16,7 @@ from PIL import Image
 
 from modelzoo.vision.data import BadImageError, RecordIOError
 from modelzoo.vision.recordio import write_recordio
+from trainers.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "train_imagenet.py"
@@ -84,7 +85,7 @@ def test_recordio_bad_magic_and_missing_index(tmp_path, home):
     write_recordio(rec, idx, [(i % 2, _jpeg(i)) for i in range(8)])
     script = _load_script()
     args = [*TINY, "--use-rec", "--rec-train", str(rec), "--num-classes", "2"]
-    with pytest.raises(FileNotFoundError, match="missing.idx"):
+    with pytest.raises(UsageError, match=r"--rec-train-idx \S*missing\.idx: no such file"):
         script.main([*args, "--rec-train-idx", str(tmp_path / "missing.idx")])
     raw = bytearray(rec.read_bytes())
     raw[0:4] = b"\x00\x00\x00\x00"  # the first record's magic number

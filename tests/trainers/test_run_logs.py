@@ -86,14 +86,52 @@ def test_jsonl_records(tmp_path):
 def test_console_lines_in_gluoncv_style(tmp_path, capsys):
     run(tmp_path, logging_file=tmp_path / "train.log")
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "Namespace(lr=0.1, dir=" + repr(str(tmp_path)) + ")"
+    # No Namespace(...) line: the header record holds the configuration (--print-config).
     step = rf"Epoch\[0\] Batch \[1\]\tSpeed: \d+\.\d\d samples/sec\tloss={FLOAT}\taccuracy={FLOAT}\tlr=0\.100000"
-    assert re.fullmatch(step, out[1]), out[1]
-    assert re.fullmatch(rf"\[Epoch 0\] training: loss={FLOAT} accuracy={FLOAT}", out[3])
-    assert re.fullmatch(r"\[Epoch 0\] speed: \d+ samples/sec\ttime cost: \d+\.\d\d", out[4])
-    assert re.fullmatch(rf"\[Epoch 0\] validation: top1={FLOAT} loss={FLOAT}", out[5])
+    assert re.fullmatch(step, out[0]), out[0]
+    assert re.fullmatch(rf"\[Epoch 0\] training: loss={FLOAT} accuracy={FLOAT}", out[2])
+    assert re.fullmatch(r"\[Epoch 0\] speed: \d+ samples/sec\ttime cost: \d+\.\d\d", out[3])
+    assert re.fullmatch(rf"\[Epoch 0\] validation: top1={FLOAT} loss={FLOAT}", out[4])
     assert re.fullmatch(r"Training time for 2 epochs: \d+\.\d\d sec\.", out[-1])
     assert (tmp_path / "train.log").read_text().splitlines() == out
+
+
+def test_an_unstarted_log_is_discarded_and_a_started_or_appended_one_kept(tmp_path):
+    """A run that fails before training leaves no log (nor the folders made for it); a log
+    with training records, or one this process appended to, stays."""
+    from trainers.logs import discard_unstarted_logs
+
+    fresh = RunLogger(tmp_path / "new" / "sub" / "run.jsonl", console=False,
+                      logging_file=tmp_path / "new" / "console.log")  # fmt: skip
+    fresh.header(make_header(["x.py"], seed=0, world_size=1))
+    started = RunLogger(tmp_path / "started.jsonl", console=False)
+    started.header(make_header(["x.py"], seed=0, world_size=1))
+    started.step(epoch=0, batch=0, step=1, loss=1.0, lr=0.1, samples_per_sec=1.0)
+    (tmp_path / "elastic.jsonl").write_text('{"kind": "header"}\n')
+    appended = RunLogger(tmp_path / "elastic.jsonl", console=False, mode="a")
+    discard_unstarted_logs()
+    assert not (tmp_path / "new").exists()
+    assert (tmp_path / "started.jsonl").is_file()
+    assert (tmp_path / "elastic.jsonl").read_text() == '{"kind": "header"}\n'
+    appended.close()
+
+
+def test_an_unstarted_runs_tensorboard_folder_is_discarded_an_existing_one_kept(tmp_path):
+    """The TensorBoard folder a failed run made (the writer creates it and an event file at
+    once) goes with its log; a folder the user already had is left alone."""
+    pytest.importorskip("tensorboard")
+    from trainers.logs import discard_unstarted_logs
+
+    fresh = RunLogger(tmp_path / "a.jsonl", console=False, tensorboard=tmp_path / "tb" / "new")
+    fresh.header(make_header(["x.py"], seed=0, world_size=1))
+    assert any((tmp_path / "tb" / "new").iterdir())  # the event file exists before training
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("x")
+    kept = RunLogger(tmp_path / "b.jsonl", console=False, tensorboard=tmp_path / "mine")
+    kept.header(make_header(["x.py"], seed=0, world_size=1))
+    discard_unstarted_logs()
+    assert not (tmp_path / "tb").exists() and not (tmp_path / "a.jsonl").exists()
+    assert (tmp_path / "mine" / "keep.txt").read_text() == "x"
 
 
 def test_only_rank_zero_writes(tmp_path, capsys):
