@@ -321,7 +321,9 @@ def plot(results: dict[str, dict[str, list[dict[str, Any]]]], out: Path) -> None
     caps = list(results)
     fig, axes = plt.subplots(1, len(caps), figsize=(6 * len(caps), 5), squeeze=False)
     for ax, cap in zip(axes[0], caps, strict=True):
-        for mode, runs in results[cap].items():
+        for k, (mode, runs) in enumerate(results[cap].items()):
+            style = {"color": plt.get_cmap("tab20")(k % 20), "marker": "os^vD<>p"[k % 8],
+                     "ls": ("-", "--")[k % 2], "ms": 3}  # fmt: skip
             for i, r in enumerate(runs):
                 records = read_run_log(r["log"])
                 evals = [e for e in records if e.get("kind") == "eval"]
@@ -332,11 +334,12 @@ def plot(results: dict[str, dict[str, list[dict[str, Any]]]], out: Path) -> None
                     t += e["time_cost"]
                     times.append(t)
                 n = min(len(times), len(evals))
-                ax.plot(times[:n], [e["top1"] for e in evals[:n]], marker=".",
-                        label=LABELS[mode] if i == 0 else None, alpha=0.8)  # fmt: skip
+                ax.plot(times[:n], [e["top1"] for e in evals[:n]], **style,
+                        label=LABELS[mode] if i == 0 else None, alpha=0.85)  # fmt: skip
         ax.axhline(TARGET, color="k", lw=0.8, ls="--")
         ax.set_title(f"4 lab nodes at {cap} per node")
-        ax.set_xlabel("training time (s, evaluations excluded)")
+        ax.set_xlabel("training time (s, evaluations excluded; one line per seed)")
+        ax.set_xscale("log")
         ax.set_ylabel("held-out top-1")
         ax.set_ylim(0.5, 1.0)
         ax.legend(fontsize=7)
