@@ -45,7 +45,7 @@ from filelock import FileLock
 from trainers.checkpoint import atomic_write_text
 from trainers.claims import ClaimsError, load_claims, make_recipe, write_claims
 from trainers.cli import run_main, split_command
-from trainers.logs import ISA_PIN_VARIABLES, PORTABLE_CPU_PINS
+from trainers.logs import ISA_PIN_VARIABLES, PORTABLE_CPU_PINS, PORTABLE_EXACT_PINS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CLAIMS = REPO_ROOT / "logs" / "claims.json"
@@ -72,16 +72,19 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def run_env(threads: int, *, native: bool, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a published run: the portable pins (unless ``native``) and the
-    thread count; any other ISA pin the caller had is removed."""
+def run_env(
+    threads: int, *, native: bool, base: dict[str, str] | None = None, portable: bool = False
+) -> dict[str, str]:
+    """The environment of a published run: the portable pins (unless ``native``; with
+    ``portable``, the portable exact mode's: ``PORTABLE_EXACT_PINS``) and the thread count;
+    any other ISA pin the caller had is removed."""
     env = {
         k: v
         for k, v in (os.environ if base is None else base).items()
         if k not in ISA_PIN_VARIABLES
     }
     if not native:
-        env.update(PORTABLE_CPU_PINS)
+        env.update(PORTABLE_EXACT_PINS if portable else PORTABLE_CPU_PINS)
     env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     return env
@@ -129,9 +132,11 @@ def seed_command(
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.native and args.portable:
+        raise SystemExit("--native and --portable contradict: --native runs unpinned kernels")
     out_dir = Path(args.out_dir) if args.out_dir else REPO_ROOT / "logs" / args.recipe
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = run_env(args.threads, native=args.native)
+    env = run_env(args.threads, native=args.native, portable=args.portable)
     for seed in parse_seeds(args.seeds):
         final = out_dir / f"seed{seed}.jsonl"
         # the header records the command as run: name the log by its final, relative path
@@ -312,6 +317,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="run each seed under trainers.elastic_drill: NODES agents, one killed at "
                    "step KILL, one added at step JOIN")  # fmt: skip
     r.add_argument("--native", action="store_true", help="no ISA pins (a check, not a publication)")
+    r.add_argument(
+        "--portable",
+        action="store_true",
+        help="the portable exact mode (trainers.logs.PORTABLE_EXACT_PINS: oneDNN off, MKL's "
+        "strict CNR at AVX2; docs/run_logs.md): a trace meant to re-create on other x86-64 "
+        "processor models, once scripts/cross_processor.py has verified it",
+    )
     r.add_argument("--out-dir", default=None, help="default logs/<recipe>")
     r.add_argument("--no-claims", action="store_true", help="do not update the claims file")
     a = sub.add_parser("add", help="list a recipe whose logs already exist")

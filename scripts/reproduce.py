@@ -326,6 +326,54 @@ def rerun_env(
     return env
 
 
+CROSS_PROCESSOR = REPO_ROOT / "logs" / "cross_processor.json"
+
+
+def processor_key(cpu: dict[str, Any]) -> str:
+    """``"AuthenticAMD-25-17"``: vendor, family and model, the processor rule's key."""
+    return f"{cpu.get('vendor')}-{cpu.get('family')}-{cpu.get('model')}"
+
+
+def processor_trace(log: Path, here: dict[str, Any]) -> Path | None:
+    """The trace of ``log``'s run made on this machine's processor model, if one was
+    published beside it (``<recipe>/processors/<vendor>-<family>-<model>/<log name>``, made
+    by ``scripts/cross_processor.py --add-trace``), else None."""
+    path = log.parent / "processors" / processor_key(here.get("cpu") or {}) / log.name
+    return path if path.is_file() else None
+
+
+def portable_evidence(log: Path, results: Path | None = None) -> str | None:
+    """The pairs of ``scripts/cross_processor.py`` (``results``, default
+    ``logs/cross_processor.json``) that verify the portable exact mode for ``log``'s recipe
+    (the name of its folder): a log of that recipe made in the mode (``MODELZOO_PORTABLE=1``
+    among its pins) whose rerun on another processor model was identical in every compared
+    record. ``"made on A, rerun on B (N records)"``, or None."""
+    try:
+        text = (results or CROSS_PROCESSOR).read_text(encoding="utf-8")
+        pairs = json.loads(text).get("pairs", [])
+    except (OSError, ValueError, AttributeError):
+        return None
+    recipe = log.resolve().parent.name
+    found = [
+        f"made on {p['publisher']}, rerun on {p['rerun']} ({p['records_identical']} records)"
+        for p in pairs
+        if Path(p.get("log", "")).parent.name == recipe
+        and (p.get("pins") or {}).get("MODELZOO_PORTABLE") == "1"
+        and p.get("publisher") != p.get("rerun")
+        and p.get("records_compared", 0) > 0
+        and p.get("records_identical") == p.get("records_compared")
+        and not p.get("missing")
+    ]
+    return "; ".join(found) or None
+
+
+def _other_processor(header: Record, here: dict[str, Any]) -> bool:
+    key = ("vendor", "family", "model")
+    rec = ((header.get("fingerprint") or {}).get("cpu")) or {}
+    cpu = here.get("cpu") or {}
+    return tuple(rec.get(k) for k in key) != tuple(cpu.get(k) for k in key)
+
+
 def native_fingerprint(python: str = sys.executable) -> dict[str, Any]:
     """This machine's fingerprint as an unpinned process sees it (the CPU capability torch
     picks with no ISA pin in the environment)."""
@@ -440,7 +488,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     rtol = rtol if args.rtol is None else args.rtol
     atol = atol if args.atol is None else args.atol
 
-    reason = not_comparable_reason(header.get("fingerprint"), native_fingerprint(args.python))
+    verified = portable_evidence(Path(args.log))
+    here = native_fingerprint(args.python)
+    reason = not_comparable_reason(header.get("fingerprint"), here, portable_verified=verified)
+    if reason is None and verified and _other_processor(header, here):
+        print(f"portable exact mode, verified across processors: {verified}", flush=True)
+    if reason is not None and _other_processor(header, here):
+        trace = processor_trace(Path(args.log), here)
+        if trace is not None:  # this processor model's own trace of the same run
+            own = read_log(str(trace))
+            if not_comparable_reason(own[0].get("fingerprint"), here) is None:
+                print(f"comparing with this processor model's trace of the run: {trace}")
+                original, reason = own, None
     pins = reason is None
     reason = nondeterministic_reason(header) or reason
     if reason is not None:

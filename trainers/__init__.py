@@ -18,9 +18,12 @@ from .comm import (
 from .data import SeededDataset, ShardedSampler, derive_seed
 from .dist import DistEnv
 from .ema import EMAConfig, ModelEMA
+from .fingerprint import apply_portable_mode
 from .logs import PhasedRunLogger, RunLogger, format_metrics, make_header, progress_bar
 from .tensorboard import TensorBoardSink
 from .trainer import Trainer, TrainerConfig
+
+apply_portable_mode()  # MODELZOO_PORTABLE=1 (scripts/publish.py --portable): oneDNN off
 
 __all__ = [
     "comm",

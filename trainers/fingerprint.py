@@ -26,6 +26,9 @@ __all__ = [
     "FINGERPRINT_PACKAGES",
     "ISA_PIN_VARIABLES",
     "PORTABLE_CPU_PINS",
+    "PORTABLE_EXACT_PINS",
+    "apply_portable_mode",
+    "portable_mode",
     "cpu_info",
     "device_info",
     "machine_fingerprint",
@@ -78,6 +81,7 @@ ISA_PIN_VARIABLES = (
     "ONEDNN_MAX_CPU_ISA",
     "MKL_CBWR",
     "MKL_ENABLE_INSTRUCTIONS",
+    "MODELZOO_PORTABLE",
 )
 
 
@@ -86,6 +90,34 @@ PORTABLE_CPU_PINS = {
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "MKL_CBWR": "AVX2",
 }
+
+#: The portable exact mode (``scripts/publish.py --portable``): every kernel is ATen's own at
+#: AVX2 (oneDNN off: ``MODELZOO_PORTABLE=1`` sets ``torch.backends.mkldnn.enabled = False``
+#: when :mod:`trainers` is imported) or MKL's under conditional numerical reproducibility in
+#: its strict form (the same bits on every processor with AVX2, at a fixed thread count,
+#: whatever the alignment). oneDNN picks its kernels and blockings by processor; ATen's
+#: kernels depend on the pinned capability and the thread count only.
+PORTABLE_EXACT_PINS = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_CBWR": "AVX2,STRICT",
+    "MODELZOO_PORTABLE": "1",
+}
+
+
+def portable_mode() -> bool:
+    """Whether this process runs in the portable exact mode (``MODELZOO_PORTABLE=1``)."""
+    return os.environ.get("MODELZOO_PORTABLE") == "1"
+
+
+def apply_portable_mode() -> bool:
+    """With ``MODELZOO_PORTABLE=1``: turn oneDNN off (convolutions, GELU and the other ops it
+    would take run on ATen's kernels). Called when :mod:`trainers` is imported; returns
+    whether the mode is on."""
+    if portable_mode():
+        torch.backends.mkldnn.enabled = False
+        return True
+    return False
 
 
 # Packages whose code computes or feeds the numbers of some script.
@@ -192,6 +224,7 @@ def machine_fingerprint(world_size: int = 1) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "device": device_info(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "onednn": bool(torch.backends.mkldnn.enabled),
         "world_size": int(world_size),
         "versions": {
             "python": platform.python_version(),
@@ -222,7 +255,10 @@ def _processor(cpu: Mapping[str, Any]) -> str:
 
 
 def not_comparable_reason(
-    recorded: Mapping[str, Any] | None, here: Mapping[str, Any]
+    recorded: Mapping[str, Any] | None,
+    here: Mapping[str, Any],
+    *,
+    portable_verified: str | None = None,
 ) -> str | None:
     """Why a log with fingerprint ``recorded`` cannot be re-created exactly on the machine with
     fingerprint ``here`` (after re-applying the recorded threads and ISA pins), or None.
@@ -233,6 +269,12 @@ def not_comparable_reason(
     measured, not assumed: under the same AVX2 pins, logs made on another processor diverged
     on an Intel Sapphire Rapids within 10 steps (oneDNN and MKL pick blockings by processor),
     so a trace is only called reproducible on the processor model that made it.
+
+    A log made in the portable exact mode (:data:`PORTABLE_EXACT_PINS`, its ``isa_pins``
+    has ``MODELZOO_PORTABLE=1``) is exempt from the processor rule when
+    ``portable_verified`` names the evidence that the mode holds for its recipe across
+    processors (``scripts/reproduce.py`` reads it from ``logs/cross_processor.json``); without
+    it, the rule stands and the reason says the mode is not verified yet.
     """
     if not recorded:
         return (
@@ -268,7 +310,17 @@ def not_comparable_reason(
             "re-created on another ISA"
         )
     key = ("vendor", "family", "model")
+    portable = (pins.get("MODELZOO_PORTABLE") or "") == "1"
     if tuple(rec_cpu.get(k) for k in key) != tuple(cpu.get(k) for k in key):
+        if portable and portable_verified:
+            return None
+        if portable:
+            return (
+                f"the log was made on {_processor(rec_cpu)} in the portable exact mode, this "
+                f"machine is {_processor(cpu)}, and no rerun on another processor model has "
+                "verified the mode for this recipe yet (scripts/cross_processor.py, "
+                "docs/run_logs.md)"
+            )
         return (
             f"the log was made on {_processor(rec_cpu)}, this machine is {_processor(cpu)}: "
             "oneDNN and MKL choose kernels by processor, so the trace can differ in the last "

@@ -42,6 +42,7 @@ from tqdm import tqdm
 from .fingerprint import (
     ISA_PIN_VARIABLES,
     PORTABLE_CPU_PINS,
+    PORTABLE_EXACT_PINS,
     cpu_info,
     machine_fingerprint,
     not_comparable_reason,
@@ -50,6 +51,7 @@ from .fingerprint import (
 __all__ = [
     "ISA_PIN_VARIABLES",
     "PORTABLE_CPU_PINS",
+    "PORTABLE_EXACT_PINS",
     "PhasedRunLogger",
     "RunLogError",
     "RunLogger",

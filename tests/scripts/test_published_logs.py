@@ -27,7 +27,7 @@ import pytest
 
 from trainers.claims import load_claims, metric_of, published_logs
 from trainers.elastic import committed_samples
-from trainers.logs import PORTABLE_CPU_PINS
+from trainers.logs import PORTABLE_CPU_PINS, PORTABLE_EXACT_PINS
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGS = published_logs(ROOT / "logs")
@@ -120,8 +120,12 @@ def test_published_recipes_have_their_seeds_and_pins(name):
             f"{name}: seed {h['seed']} was made from a tree whose code differed from its commit"
         )
         if fp["device"]["type"] == "cpu":
-            assert {k: fp["isa_pins"][k] for k in PORTABLE_CPU_PINS} == PORTABLE_CPU_PINS
+            pins = {k: v for k, v in fp["isa_pins"].items() if v}
+            # the usual pins, or the portable exact mode (scripts/publish.py --portable)
+            assert pins in (PORTABLE_CPU_PINS, PORTABLE_EXACT_PINS), f"{name}: {pins}"
             assert fp["cpu_capability"] == "AVX2"
+            if pins == PORTABLE_EXACT_PINS:
+                assert fp["onednn"] is False, f"{name}: portable mode with oneDNN on"
 
 
 def _without_seed_and_log(command: list[str]) -> list[str]:

@@ -1,0 +1,343 @@
+"""Evidence across processors: rerun a prefix of published logs made on another processor model.
+
+``scripts/reproduce.py`` re-creates a log exactly only on the processor model that made it
+(``trainers.fingerprint.not_comparable_reason``). This script measures how far that rule is
+needed: for each log whose processor (vendor, family, model) differs from this machine's, it
+reruns the first ``--steps`` optimizer steps with the log's recorded threads and ISA pins
+(and its portable mode, where the log was made in it: ``scripts/publish.py --portable``) and
+compares every logged number of every step/epoch/eval record with the original, bit for bit.
+Each (log, publisher processor, rerun processor) pair goes into ``logs/cross_processor.json``
+(one entry per pair, replaced when measured again), and the table between
+``<!-- cross-processor -->`` and ``<!-- /cross-processor -->`` in ``docs/run_logs.md`` is
+regenerated from that file::
+
+    python scripts/cross_processor.py                      # one log of each family
+    python scripts/cross_processor.py logs/karate_gcn/seed0.jsonl --steps 20
+    python scripts/cross_processor.py --table              # only regenerate the docs table
+    python scripts/cross_processor.py --optrace --steps 1  # operator traces, logs/optrace/
+    python -m trainers.optrace compare logs/optrace/A.json.gz logs/optrace/B.json.gz
+    python scripts/cross_processor.py --add-trace logs/digits_resnest14/seed0.jsonl
+
+A log made on this processor model is skipped (say so): there is nothing to learn from it
+here. Timing fields are not compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from trainers.checkpoint import atomic_write_text
+from trainers.cli import run_main
+from trainers.errors import UsageError
+from trainers.logs import ISA_PIN_VARIABLES, PORTABLE_EXACT_PINS
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+import reproduce  # noqa: E402
+
+RESULTS = REPO_ROOT / "logs" / "cross_processor.json"
+DOC = REPO_ROOT / "docs" / "run_logs.md"
+START, END = "<!-- cross-processor -->\n", "<!-- /cross-processor -->"
+
+#: One published log per recipe family (and the distributed path): the default set.
+FAMILIES = {
+    "ResNeSt (conv)": "logs/digits_resnest14/seed0.jsonl",
+    "ResNeSt, 2 processes, ef top-k": "logs/digits_comm_ef_topk_2proc/seed0.jsonl",
+    "GNN": "logs/karate_gcn/seed0.jsonl",
+    "BERT fine-tuning": "logs/squad_minilm/seed0.jsonl",
+    "BERT pretraining": "logs/bert_pretrain_adam_b16/seed0.jsonl",
+    "linear": "logs/linear_breast_cancer_lbfgs/seed0.jsonl",
+}
+
+
+def processor(cpu: dict[str, Any]) -> str:
+    """``"GenuineIntel 6/143 (Intel(R) Xeon(R) Platinum 8488C)"``."""
+    return f"{cpu.get('vendor')} {cpu.get('family')}/{cpu.get('model')} ({cpu.get('model_name')})"
+
+
+def same_processor(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(a.get(k) == b.get(k) for k in ("vendor", "family", "model"))
+
+
+def difference(original: Sequence[dict], rerun: Sequence[dict], steps: int) -> dict[str, Any]:
+    """Bit-for-bit comparison of the records of the first ``steps`` steps: how many records
+    were compared, how many are identical, the first record that differs, the largest
+    absolute and relative differences of any compared number."""
+    kinds = reproduce.COMPARED_KINDS
+    orig = reproduce._keyed(original, kinds)
+    new = reproduce._keyed(rerun, kinds)
+    last = reproduce._last_step(rerun)
+    keys = [k for k, r in orig.items() if reproduce._expected(k, r, last, True)]
+    compared = identical = 0
+    first: str | None = None
+    max_abs = max_rel = 0.0
+    missing: list[str] = []
+    for key in keys:
+        if key not in new:
+            missing.append(reproduce._describe(key))
+            continue
+        a_rec, b_rec = orig[key], new[key]
+        same = True
+        for field, a in a_rec.items():
+            if field in reproduce.TIMING_FIELDS or field == "kind" or isinstance(a, bool):
+                continue
+            if not reproduce._is_number(a) or not reproduce._is_number(b_rec.get(field)):
+                continue
+            a, b = float(a), float(b_rec[field])
+            if a == b or (math.isnan(a) and math.isnan(b)):
+                continue
+            same = False
+            diff = abs(a - b)
+            max_abs = max(max_abs, diff)
+            max_rel = max(max_rel, diff / abs(a)) if a else max_rel
+        compared += 1
+        identical += same
+        if not same and first is None:
+            first = reproduce._describe(key)
+    return {
+        "records_compared": compared,
+        "records_identical": identical,
+        "first_difference": first,
+        "max_abs_diff": max_abs,
+        "max_rel_diff": max_rel,
+        "missing": missing[:3],
+        "steps": int(last),
+    }
+
+
+def measure(log: Path, steps: int, python: str) -> dict[str, Any] | None:
+    """Rerun ``steps`` steps of ``log`` here and compare; None when made on this processor."""
+    try:
+        original = reproduce.read_log(str(log))
+    except reproduce.LogError as e:
+        raise UsageError(f"{log}: {e}") from None
+    header = original[0]
+    fingerprint = header.get("fingerprint") or {}
+    here = reproduce.native_fingerprint(python)
+    if not fingerprint:
+        raise UsageError(f"{log}: no machine fingerprint in its header; republish it first")
+    reason = reproduce.nondeterministic_reason(header)
+    if reason:
+        raise UsageError(f"{log}: {reason}")
+    if same_processor(fingerprint.get("cpu") or {}, here.get("cpu") or {}):
+        print(f"{log}: made on this processor model ({processor(here['cpu'])}); skipped")
+        return None
+    with tempfile.TemporaryDirectory(prefix="cross-processor-") as tmp:
+        run_log = str(Path(tmp) / "rerun.jsonl")
+        command = reproduce.build_command(header, run_log, max_steps=steps, python=python)
+        env = reproduce.rerun_env(header, pins=True)
+        print(f"{log}: rerunning {steps} steps: {' '.join(command)}", flush=True)
+        result = subprocess.run(command, cwd=REPO_ROOT, env=env, check=False,
+                                capture_output=True, text=True)  # fmt: skip
+        if result.returncode != 0:
+            tail = "\n".join(result.stderr.strip().splitlines()[-5:])
+            raise RuntimeError(f"{log}: the rerun failed (exit {result.returncode}):\n{tail}")
+        rerun = reproduce.read_log(run_log)
+    pins = fingerprint.get("isa_pins") or {}
+    return {
+        "log": str(log.resolve().relative_to(REPO_ROOT)),
+        "publisher": processor(fingerprint.get("cpu") or {}),
+        "rerun": processor(here.get("cpu") or {}),
+        "pins": {k: v for k, v in pins.items() if v},
+        "threads": fingerprint.get("threads"),
+        "world_size": header.get("world_size", 1),
+        "torch": (fingerprint.get("versions") or {}).get("torch"),
+        "torch_here": (here.get("versions") or {}).get("torch"),
+        "date": datetime.date.today().isoformat(),
+        **difference(original[1:], rerun[1:], steps),
+    }
+
+
+def trace_path(log: Path, cpu: dict[str, Any], *, portable: bool = False) -> Path:
+    """``logs/optrace/<recipe>-<seed>.<vendor>-<family>-<model>[.portable].json.gz``."""
+    stem = f"{log.resolve().parent.name}-{log.stem}"
+    machine = f"{cpu.get('vendor')}-{cpu.get('family')}-{cpu.get('model')}"
+    mode = ".portable" if portable else ""
+    return REPO_ROOT / "logs" / "optrace" / f"{stem}.{machine}{mode}.json.gz"
+
+
+def record_trace(log: Path, steps: int, python: str, *, portable: bool = False) -> Path:
+    """Record the operator trace (:mod:`trainers.optrace`) of the first ``steps`` steps of
+    ``log``'s command, under its recorded threads and pins (with ``portable``: the portable
+    exact mode's pins instead), into :func:`trace_path`."""
+    original = reproduce.read_log(str(log))
+    header = original[0]
+    here = reproduce.native_fingerprint(python)
+    out = trace_path(log, here.get("cpu") or {}, portable=portable)
+    env = reproduce.rerun_env(header, pins=True)
+    if portable:
+        env = {k: v for k, v in env.items() if k not in ISA_PIN_VARIABLES}
+        env.update(PORTABLE_EXACT_PINS)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="optrace-") as tmp:
+        command = reproduce.build_command(header, str(Path(tmp) / "r.jsonl"), max_steps=steps,
+                                          python=python)  # fmt: skip
+        if "torch.distributed.run" in command:
+            raise UsageError(f"{log}: an operator trace records one process; this log ran "
+                             f"{header.get('world_size')}")  # fmt: skip
+        script_at = next(i for i, a in enumerate(command) if a.endswith(".py"))
+        traced = [python, "-m", "trainers.optrace", "record", str(out), "--",
+                  *command[script_at:]]  # fmt: skip
+        print(f"{log}: recording the operator trace of {steps} step(s) -> "
+              f"{out.relative_to(REPO_ROOT)}", flush=True)  # fmt: skip
+        result = subprocess.run(traced, cwd=REPO_ROOT, env=env, check=False,
+                                capture_output=True, text=True)  # fmt: skip
+        if result.returncode != 0:
+            tail = "\n".join(result.stderr.strip().splitlines()[-5:])
+            raise RuntimeError(f"{log}: the traced run failed (exit {result.returncode}):\n{tail}")
+    return out
+
+
+def add_trace(log: Path, python: str) -> Path | None:
+    """Rerun all of ``log``'s command here, under its recorded threads and pins, and publish
+    the result beside it as this processor model's trace of the run
+    (``<recipe>/processors/<vendor>-<family>-<model>/<log name>``: what
+    ``scripts/reproduce.py`` compares with on this processor model). None when the log was
+    made on this processor model."""
+    original = reproduce.read_log(str(log))
+    header = original[0]
+    here = reproduce.native_fingerprint(python)
+    if reproduce.nondeterministic_reason(header):
+        raise UsageError(f"{log}: {reproduce.nondeterministic_reason(header)}")
+    if same_processor((header.get("fingerprint") or {}).get("cpu") or {}, here.get("cpu") or {}):
+        print(f"{log}: made on this processor model; no second trace needed")
+        return None
+    out = log.parent / "processors" / reproduce.processor_key(here.get("cpu") or {}) / log.name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="add-trace-", dir=out.parent) as tmp:
+        run_log = Path(tmp) / log.name
+        command = reproduce.build_command(header, str(run_log), python=python)
+        print(f"{log}: rerunning all of it here -> {out.relative_to(REPO_ROOT)}", flush=True)
+        result = subprocess.run(command, cwd=REPO_ROOT, env=reproduce.rerun_env(header, pins=True),
+                                check=False, capture_output=True, text=True)  # fmt: skip
+        records = reproduce.read_log(str(run_log)) if run_log.is_file() else []
+        if result.returncode != 0 or not any(r.get("kind") == "end" for r in records):
+            tail = "\n".join(result.stderr.strip().splitlines()[-5:])
+            raise RuntimeError(
+                f"{log}: the rerun did not finish (exit {result.returncode}):\n{tail}"
+            )
+        run_log.replace(out)  # the folder's own rename: a trace is whole or absent
+    ends = [[r for r in recs if r.get("kind") == "end"][-1] for recs in (original, records)]
+    shown = [k for k, v in ends[0].items() if reproduce._is_number(v)
+             and k not in reproduce.TIMING_FIELDS]  # fmt: skip
+    print("  end, published: " + ", ".join(f"{k}={ends[0][k]:.6g}" for k in shown))
+    print(
+        "  end, this trace: " + ", ".join(f"{k}={ends[1].get(k, float('nan')):.6g}" for k in shown)
+    )
+    return out
+
+
+def load_results(path: Path = RESULTS) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise UsageError(f"{path}: not valid JSON ({e}); restore it from git") from None
+    return list(data.get("pairs", []))
+
+
+def merge(pairs: list[dict[str, Any]], new: dict[str, Any]) -> list[dict[str, Any]]:
+    """``pairs`` with ``new`` replacing the entry of the same (log, publisher, rerun, pins)."""
+    key = ("log", "publisher", "rerun", "pins")
+    kept = [p for p in pairs if tuple(str(p.get(k)) for k in key) !=
+            tuple(str(new.get(k)) for k in key)]  # fmt: skip
+    return sorted([*kept, new], key=lambda p: (p["log"], p["publisher"], p["rerun"]))
+
+
+def table(pairs: Sequence[dict[str, Any]]) -> str:
+    if not pairs:
+        return "(no pair measured yet)\n"
+    lines = [
+        "| log | made on | rerun on | pins | steps | records identical | first difference "
+        "| max abs diff | max rel diff |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in pairs:
+        pins = ", ".join(f"{k}={v}" for k, v in sorted(p["pins"].items())) or "none"
+        lines.append(
+            f"| `{p['log']}` | {p['publisher']} | {p['rerun']} | {pins} | {p['steps']} | "
+            f"{p['records_identical']}/{p['records_compared']} | {p['first_difference'] or '-'} "
+            f"| {p['max_abs_diff']:.3g} | {p['max_rel_diff']:.3g} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_table(pairs: Sequence[dict[str, Any]], doc: Path = DOC) -> None:
+    body = doc.read_text(encoding="utf-8")
+    if START not in body or END not in body:
+        raise UsageError(f"{doc}: no {START.strip()} ... {END} block to fill")
+    head, rest = body.split(START, 1)
+    atomic_write_text(doc, head + START + table(pairs) + rest[rest.index(END) :])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("logs", nargs="*", help="run logs (default: one of each family)")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps to rerun (default 10)")
+    p.add_argument("--python", default=sys.executable, help="interpreter for the reruns")
+    p.add_argument("--table", action="store_true", help="only regenerate the docs table")
+    p.add_argument("--optrace", action="store_true",
+                   help="instead record each log's operator trace (trainers.optrace) of "
+                   "--steps steps into logs/optrace/; compare two machines' traces with "
+                   "python -m trainers.optrace compare A B")  # fmt: skip
+    p.add_argument("--portable", action="store_true",
+                   help="with --optrace: record in the portable exact mode "
+                   "(trainers.logs.PORTABLE_EXACT_PINS) instead of the log's pins")  # fmt: skip
+    p.add_argument("--add-trace", action="store_true",
+                   help="instead rerun each whole log here and publish it as this processor "
+                   "model's trace of the run (scripts/reproduce.py compares with it here)")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.add_trace:
+        if not args.logs:
+            p.error("--add-trace: name the logs")
+        for log in map(Path, args.logs):
+            if not log.is_file():
+                raise UsageError(f"{log}: no such run log")
+            add_trace(log, args.python)
+        return 0
+    if args.portable and not args.optrace:
+        p.error("--portable goes with --optrace (a log's own pins decide a rerun's mode)")
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: must be >= 1")
+    if args.optrace:
+        for log in [Path(x) for x in (args.logs or FAMILIES.values())]:
+            if not log.is_file():
+                raise UsageError(f"{log}: no such run log")
+            if reproduce.read_log(str(log))[0].get("world_size", 1) > 1:
+                print(f"{log}: {reproduce.read_log(str(log))[0]['world_size']} processes; "
+                      "an operator trace records one: skipped")  # fmt: skip
+                continue
+            record_trace(log, args.steps, args.python, portable=args.portable)
+        return 0
+    pairs = load_results()
+    if not args.table:
+        logs = [Path(x) for x in (args.logs or FAMILIES.values())]
+        for log in logs:
+            if not log.is_file():
+                raise UsageError(f"{log}: no such run log")
+        for log in logs:
+            entry = measure(log, args.steps, args.python)
+            if entry is None:
+                continue
+            print(f"  {entry['records_identical']}/{entry['records_compared']} records identical;"
+                  f" first difference: {entry['first_difference'] or 'none'}; max rel diff "
+                  f"{entry['max_rel_diff']:.3g}", flush=True)  # fmt: skip
+            pairs = merge(pairs, entry)
+            atomic_write_text(RESULTS, json.dumps({"pairs": pairs}, indent=1) + "\n")
+    write_table(pairs)
+    print(table(pairs), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

@@ -1,0 +1,138 @@
+"""The portable exact mode (issue 43): MODELZOO_PORTABLE=1 turns oneDNN off and is recorded;
+a portable log from another processor is re-created here once a cross-processor pair has
+verified its recipe, and refused (exit 4) otherwise or without the mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainers.fingerprint import not_comparable_reason
+from trainers.logs import ISA_PIN_VARIABLES, PORTABLE_CPU_PINS, PORTABLE_EXACT_PINS
+
+from ._scripts import ROOT, load_script, read_records
+
+INTEL = {"arch": "x86_64", "vendor": "GenuineIntel", "family": 6, "model": 207,
+         "model_name": "Intel(R) Xeon(R) Processor", "flags": ["avx", "avx2", "fma"]}  # fmt: skip
+
+
+def _fingerprint(pins: dict[str, str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ISA_PIN_VARIABLES}
+    env.update(pins, PYTHONPATH=str(ROOT))
+    code = "import json, trainers; from trainers.logs import machine_fingerprint as m; print(json.dumps(m()))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_the_mode_turns_onednn_off_and_the_fingerprint_records_it():
+    portable, pinned = _fingerprint(PORTABLE_EXACT_PINS), _fingerprint(PORTABLE_CPU_PINS)
+    assert portable["onednn"] is False and pinned["onednn"] is True
+    assert portable["isa_pins"]["MODELZOO_PORTABLE"] == "1"
+    assert portable["isa_pins"]["MKL_CBWR"] == "AVX2,STRICT"
+    assert pinned["isa_pins"]["MODELZOO_PORTABLE"] is None
+
+
+def test_only_a_verified_portable_log_escapes_the_processor_rule():
+    here = _fingerprint(PORTABLE_EXACT_PINS)
+    forged = {**here, "cpu": INTEL}
+    unverified = not_comparable_reason(forged, here)
+    assert unverified is not None and "not" in unverified and "portable" in unverified
+    assert not_comparable_reason(forged, here, portable_verified="made on A, rerun on B") is None
+    usual = {**forged, "isa_pins": {**dict.fromkeys(ISA_PIN_VARIABLES), **PORTABLE_CPU_PINS}}
+    reason = not_comparable_reason(usual, here, portable_verified="made on A, rerun on B")
+    assert reason is not None and "oneDNN and MKL choose kernels" in reason
+
+
+def _linear_log(tmp_path, *, portable: bool):
+    """A real run of a short linear recipe made here (publish.py's environment)."""
+    publish = load_script("publish", "portable_mode")
+    recipe = tmp_path / "linear_portable_test"
+    recipe.mkdir()
+    log = recipe / "seed0.jsonl"
+    command = ["scripts/train_linear.py", "--dataset", "breast_cancer", "--solver", "sgd",
+               "--batch-size", "16", "--num-epochs", "1", "--no-progress", "--seed", "0",
+               "--run-log", str(log)]  # fmt: skip
+    env = publish.run_env(1, native=False, portable=portable)
+    done = subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return log
+
+
+@pytest.fixture
+def portable_log(tmp_path):
+    """A real portable run of a linear recipe made here, its header forged to an Intel Xeon."""
+    log = _linear_log(tmp_path, portable=True)
+    records = read_records(log)
+    assert records[0]["fingerprint"]["isa_pins"]["MODELZOO_PORTABLE"] == "1"
+
+    def forge(pins: dict[str, str]) -> None:
+        header = dict(records[0])
+        header["fingerprint"] = {**header["fingerprint"], "cpu": INTEL,
+                                 "isa_pins": {**dict.fromkeys(ISA_PIN_VARIABLES), **pins}}  # fmt: skip
+        log.write_text("".join(json.dumps(r) + "\n" for r in [header, *records[1:]]))
+
+    return log, forge
+
+
+def _pair(log, *, identical: bool = True) -> dict:
+    return {"log": f"logs/{log.parent.name}/seed0.jsonl", "publisher": "AuthenticAMD 25/17 (AMD EPYC)",
+            "rerun": "GenuineIntel 6/207 (Intel(R) Xeon(R) Processor)", "pins": PORTABLE_EXACT_PINS,
+            "records_compared": 5, "records_identical": 5 if identical else 4, "missing": []}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_verified_portable_log_from_another_processor_is_re_created_exactly(
+    portable_log, tmp_path, monkeypatch, capsys
+):
+    log, forge = portable_log
+    reproduce = load_script("reproduce", "portable_mode")
+    results = tmp_path / "cross_processor.json"
+    monkeypatch.setattr(reproduce, "CROSS_PROCESSOR", results)
+    forge(PORTABLE_EXACT_PINS)
+
+    results.write_text(json.dumps({"pairs": [_pair(log, identical=False)]}))
+    assert reproduce.main([str(log), "--max-steps", "5"]) == 4  # a pair that differed
+    assert "has verified the mode for this recipe yet" in capsys.readouterr().out
+
+    results.write_text(json.dumps({"pairs": [_pair(log)]}))
+    assert reproduce.main([str(log), "--max-steps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "verified across processors" in out and "reproduced:" in out
+
+    forge(PORTABLE_CPU_PINS)  # the same log without the mode: the processor rule stands
+    assert reproduce.main([str(log), "--max-steps", "5"]) == 4
+    assert "not comparable" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_log_from_another_processor_compares_with_this_processors_trace(tmp_path, capsys):
+    """Per-processor traces (scripts/cross_processor.py --add-trace): a log made elsewhere is
+    re-created exactly against the trace its run left on this processor model."""
+    reproduce = load_script("reproduce", "processor_trace")
+    log = _linear_log(tmp_path, portable=False)
+    records = read_records(log)
+    here = records[0]["fingerprint"]["cpu"]
+    header = dict(records[0])
+    header["fingerprint"] = {**header["fingerprint"], "cpu": INTEL}
+    log.write_text("".join(json.dumps(r) + "\n" for r in [header, *records[1:]]))
+    assert reproduce.main([str(log), "--max-steps", "5"]) == 4  # no trace for this processor
+    capsys.readouterr()
+
+    trace = log.parent / "processors" / reproduce.processor_key(here) / log.name
+    trace.parent.mkdir(parents=True)
+    trace.write_text("".join(json.dumps(r) + "\n" for r in records))  # the run as made here
+    assert reproduce.main([str(log), "--max-steps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "this processor model's trace" in out and "reproduced:" in out
+
+    bad = [dict(r) for r in records]
+    step = next(r for r in bad if r.get("kind") == "step")
+    step["loss"] = step["loss"] * 1.01  # a trace that does not match the rerun is a divergence
+    trace.write_text("".join(json.dumps(r) + "\n" for r in bad))
+    assert reproduce.main([str(log), "--max-steps", "5"]) == 1
