@@ -59,9 +59,7 @@ FAMILIES = {
 }
 
 
-def processor(cpu: dict[str, Any]) -> str:
-    """``"GenuineIntel 6/143 (Intel(R) Xeon(R) Platinum 8488C)"``."""
-    return f"{cpu.get('vendor')} {cpu.get('family')}/{cpu.get('model')} ({cpu.get('model_name')})"
+processor = reproduce.processor_name
 
 
 def same_processor(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -73,10 +71,12 @@ def difference(original: Sequence[dict], rerun: Sequence[dict], steps: int) -> d
     were compared, how many are identical, the first record that differs, the largest
     absolute and relative differences of any compared number."""
     kinds = reproduce.COMPARED_KINDS
+    last = reproduce._last_step(rerun)
+    truncated = last < reproduce._last_step(original)
+    kinds = kinds if truncated else (*kinds, "end")
     orig = reproduce._keyed(original, kinds)
     new = reproduce._keyed(rerun, kinds)
-    last = reproduce._last_step(rerun)
-    keys = [k for k, r in orig.items() if reproduce._expected(k, r, last, True)]
+    keys = [k for k, r in orig.items() if reproduce._expected(k, r, last, truncated)]
     compared = identical = 0
     first: str | None = None
     max_abs = max_rel = 0.0
@@ -104,6 +104,7 @@ def difference(original: Sequence[dict], rerun: Sequence[dict], steps: int) -> d
         if not same and first is None:
             first = reproduce._describe(key)
     return {
+        "complete": not truncated,  # the whole log was rerun (its end record compared too)
         "records_compared": compared,
         "records_identical": identical,
         "first_difference": first,
@@ -258,14 +259,15 @@ def table(pairs: Sequence[dict[str, Any]]) -> str:
     if not pairs:
         return "(no pair measured yet)\n"
     lines = [
-        "| log | made on | rerun on | pins | steps | records identical | first difference "
-        "| max abs diff | max rel diff |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| log | made on | rerun on | pins | steps rerun | whole log | records identical "
+        "| first difference | max abs diff | max rel diff |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in pairs:
         pins = ", ".join(f"{k}={v}" for k, v in sorted(p["pins"].items())) or "none"
         lines.append(
             f"| `{p['log']}` | {p['publisher']} | {p['rerun']} | {pins} | {p['steps']} | "
+            f"{'yes' if p.get('complete') else 'no'} | "
             f"{p['records_identical']}/{p['records_compared']} | {p['first_difference'] or '-'} "
             f"| {p['max_abs_diff']:.3g} | {p['max_rel_diff']:.3g} |"
         )

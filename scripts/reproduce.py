@@ -355,14 +355,61 @@ def portable_evidence(log: Path, results: Path | None = None) -> str | None:
         return None
     recipe = log.resolve().parent.name
     found = [
-        f"made on {p['publisher']}, rerun on {p['rerun']} ({p['records_identical']} records)"
+        _evidence(p)
         for p in pairs
         if Path(p.get("log", "")).parent.name == recipe
         and (p.get("pins") or {}).get("MODELZOO_PORTABLE") == "1"
         and p.get("publisher") != p.get("rerun")
-        and p.get("records_compared", 0) > 0
-        and p.get("records_identical") == p.get("records_compared")
-        and not p.get("missing")
+        and _identical_and_complete(p)
+    ]
+    return "; ".join(found) or None
+
+
+def _identical_and_complete(pair: dict[str, Any]) -> bool:
+    return (
+        bool(pair.get("complete"))
+        and pair.get("records_compared", 0) > 0
+        and pair.get("records_identical") == pair.get("records_compared")
+        and not pair.get("missing")
+    )
+
+
+def _evidence(pair: dict[str, Any]) -> str:
+    return (
+        f"{pair['log']} made on {pair['publisher']}, rerun whole on {pair['rerun']}: "
+        f"{pair['records_identical']} records identical"
+    )
+
+
+def processor_name(cpu: dict[str, Any]) -> str:
+    """``"GenuineIntel 6/143 (Intel(R) Xeon(R) Platinum 8488C)"`` (scripts/cross_processor.py)."""
+    return f"{cpu.get('vendor')} {cpu.get('family')}/{cpu.get('model')} ({cpu.get('model_name')})"
+
+
+def pair_evidence(
+    log: Path, header: Record, here: dict[str, Any], results: Path | None = None
+) -> str | None:
+    """The pairs of ``scripts/cross_processor.py`` showing that ``log``'s recipe, with the
+    log's pins, computes the same bits on the log's processor model and on this one: a log
+    of the recipe made on that model and rerun whole on this one, identical in every record.
+    A log then is re-created here although its processor differs. None without such a pair."""
+    try:
+        pairs = json.loads((results or CROSS_PROCESSOR).read_text(encoding="utf-8"))["pairs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    fingerprint = header.get("fingerprint") or {}
+    pins = {k: v for k, v in (fingerprint.get("isa_pins") or {}).items() if v}
+    made_on = processor_name(fingerprint.get("cpu") or {})
+    rerun_on = processor_name(here.get("cpu") or {})
+    recipe = log.resolve().parent.name
+    found = [
+        _evidence(p)
+        for p in pairs
+        if Path(p.get("log", "")).parent.name == recipe
+        and p.get("publisher") == made_on
+        and p.get("rerun") == rerun_on
+        and (p.get("pins") or {}) == pins
+        and _identical_and_complete(p)
     ]
     return "; ".join(found) or None
 
@@ -493,6 +540,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     reason = not_comparable_reason(header.get("fingerprint"), here, portable_verified=verified)
     if reason is None and verified and _other_processor(header, here):
         print(f"portable exact mode, verified across processors: {verified}", flush=True)
+    if reason is not None and _other_processor(header, here):
+        evidence = pair_evidence(Path(args.log), header, here)
+        same_cpu = {**(header.get("fingerprint") or {}), "cpu": here.get("cpu")}
+        if evidence and not_comparable_reason(same_cpu, here) is None:
+            print(f"another processor model, shown to compute the same bits: {evidence}")
+            reason = None
     if reason is not None and _other_processor(header, here):
         trace = processor_trace(Path(args.log), here)
         if trace is not None:  # this processor model's own trace of the same run

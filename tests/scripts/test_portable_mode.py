@@ -83,7 +83,8 @@ def portable_log(tmp_path):
 def _pair(log, *, identical: bool = True) -> dict:
     return {"log": f"logs/{log.parent.name}/seed0.jsonl", "publisher": "AuthenticAMD 25/17 (AMD EPYC)",
             "rerun": "GenuineIntel 6/207 (Intel(R) Xeon(R) Processor)", "pins": PORTABLE_EXACT_PINS,
-            "records_compared": 5, "records_identical": 5 if identical else 4, "missing": []}  # fmt: skip
+            "records_compared": 5, "records_identical": 5 if identical else 4, "missing": [],
+            "complete": True}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -136,3 +137,35 @@ def test_a_log_from_another_processor_compares_with_this_processors_trace(tmp_pa
     step["loss"] = step["loss"] * 1.01  # a trace that does not match the rerun is a divergence
     trace.write_text("".join(json.dumps(r) + "\n" for r in bad))
     assert reproduce.main([str(log), "--max-steps", "5"]) == 1
+
+
+@pytest.mark.slow
+def test_a_pair_shown_identical_lets_that_processor_models_logs_be_re_created(
+    tmp_path, monkeypatch, capsys
+):
+    """Without the portable mode: a whole rerun on this processor model of a log made on
+    another, identical in every record, lets the recipe's logs made there be re-created here
+    (only between those two models, with those pins)."""
+    reproduce = load_script("reproduce", "pair_evidence")
+    results = tmp_path / "cross_processor.json"
+    monkeypatch.setattr(reproduce, "CROSS_PROCESSOR", results)
+    log = _linear_log(tmp_path, portable=False)
+    records = read_records(log)
+    here = records[0]["fingerprint"]
+    header = dict(records[0])
+    header["fingerprint"] = {**here, "cpu": INTEL}
+    log.write_text("".join(json.dumps(r) + "\n" for r in [header, *records[1:]]))
+    pins = {k: v for k, v in here["isa_pins"].items() if v}
+    pair = {"log": f"logs/{log.parent.name}/seed3.jsonl",
+            "publisher": reproduce.processor_name(INTEL),
+            "rerun": reproduce.processor_name(here["cpu"]), "pins": pins,
+            "records_compared": 9, "records_identical": 9, "missing": [], "complete": True}  # fmt: skip
+    for other in ({"rerun": "AuthenticAMD 23/49 (AMD EPYC 7742)"}, {"complete": False},
+                  {"records_identical": 8}, {"pins": {**pins, "MKL_CBWR": "AVX512"}}):  # fmt: skip
+        results.write_text(json.dumps({"pairs": [{**pair, **other}]}))
+        assert reproduce.main([str(log), "--max-steps", "5"]) == 4, other
+        capsys.readouterr()
+    results.write_text(json.dumps({"pairs": [pair]}))
+    assert reproduce.main([str(log), "--max-steps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "shown to compute the same bits" in out and "reproduced:" in out
