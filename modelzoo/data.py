@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 import os
 import posixpath
 import urllib.parse
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import store
+from ._lookup import unknown_name
 
 __all__ = ["DataFile", "DataSet", "get_dataset", "list_datasets", "register_dataset"]
 
@@ -172,12 +172,8 @@ def get_dataset(name: str) -> DataSet:
     """
     key = name.lower()
     if key not in _REGISTRY:
-        close = difflib.get_close_matches(key, list(_REGISTRY), n=5, cutoff=0.5)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(
-            f"Unknown data set {name!r}{hint} (modelzoo.data.list_datasets() lists "
-            f"{', '.join(sorted(_REGISTRY))})"
-        )
+        listing = f"modelzoo.data.list_datasets() lists {', '.join(sorted(_REGISTRY))}"
+        raise unknown_name("data set", name, _REGISTRY, listing)
     return _REGISTRY[key]
 
 

@@ -7,7 +7,6 @@ parametrized tests. Names are case-insensitive; registering a name twice raises.
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -17,6 +16,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from ._lookup import unknown_name
 from .weights import Weights
 
 __all__ = [
@@ -93,11 +93,8 @@ def get_model_entry(name: str) -> ModelEntry:
     """
     key = name.lower()
     if key not in _REGISTRY:
-        close = difflib.get_close_matches(key, list(_REGISTRY), n=5, cutoff=0.5)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(
-            f"Unknown model {name!r}{hint} (modelzoo.list_models() lists all {len(_REGISTRY)})"
-        )
+        listing = f"modelzoo.list_models() lists all {len(_REGISTRY)}"
+        raise unknown_name("model", name, _REGISTRY, listing)
     return _REGISTRY[key]
 
 
