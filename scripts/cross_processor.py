@@ -217,7 +217,7 @@ def add_trace(log: Path, python: str) -> Path | None:
     with tempfile.TemporaryDirectory(prefix="add-trace-", dir=out.parent) as tmp:
         run_log = Path(tmp) / log.name
         command = reproduce.build_command(header, str(run_log), python=python)
-        print(f"{log}: rerunning all of it here -> {out.relative_to(REPO_ROOT)}", flush=True)
+        print(f"{log}: rerunning all of it here -> {out}", flush=True)
         result = subprocess.run(command, cwd=REPO_ROOT, env=reproduce.rerun_env(header, pins=True),
                                 check=False, capture_output=True, text=True)  # fmt: skip
         records = reproduce.read_log(str(run_log)) if run_log.is_file() else []
