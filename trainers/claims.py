@@ -60,11 +60,14 @@ class ClaimsError(ValueError):
 
 def published_logs(logs_dir: str | os.PathLike[str]) -> list[Path]:
     """Every run log under ``logs_dir`` (``*.jsonl``, any depth), sorted; the per-rank ledgers
-    of elastic runs (``*.ledger/``) are not run logs and are left out."""
+    of elastic runs (``*.ledger/``) are not run logs, and a run's per-processor traces
+    (``<recipe>/processors/``: the same run re-made on another processor model,
+    ``scripts/cross_processor.py --add-trace``) are not runs of their own: both are left out."""
     root = Path(logs_dir)
     return sorted(
         p for p in root.rglob("*.jsonl")
-        if not any(part.endswith(".ledger") or part.startswith(".") for part in p.relative_to(root).parts)
+        if not any(part.endswith(".ledger") or part.startswith(".") or part == "processors"
+                   for part in p.relative_to(root).parts)
     )  # fmt: skip
 
 

@@ -53,6 +53,28 @@ def test_every_published_log_belongs_to_exactly_one_recipe():
     assert sorted(listed) == sorted(REL), "logs/ and logs/claims.json disagree"
 
 
+TRACES = sorted((ROOT / "logs").glob("*/processors/*/*.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "path", TRACES, ids=[p.relative_to(ROOT / "logs").as_posix() for p in TRACES]
+)
+def test_a_per_processor_trace_is_its_published_runs_remake_on_that_processor(path):
+    """logs/<recipe>/processors/<vendor>-<family>-<model>/seed<k>.jsonl: the same command
+    and seed as the published seed<k>.jsonl, made on the processor its folder names, with the
+    published log's pins, finished."""
+    published = ROOT / "logs" / path.parts[-4] / path.name
+    assert published.relative_to(ROOT).as_posix() in REL, f"{path}: no published {published}"
+    mine, theirs = _records(path), _records(published)
+    assert _without_seed_and_log(mine[0]["command"]) == _without_seed_and_log(theirs[0]["command"])
+    assert mine[0]["seed"] == theirs[0]["seed"]
+    cpu = mine[0]["fingerprint"]["cpu"]
+    assert path.parent.name == f"{cpu['vendor']}-{cpu['family']}-{cpu['model']}"
+    pins = [{k: v for k, v in r[0]["fingerprint"]["isa_pins"].items() if v} for r in (mine, theirs)]
+    assert pins[0] == pins[1]
+    assert mine[-1]["kind"] == "end"
+
+
 @pytest.mark.parametrize("name", sorted(CLAIMS))
 def test_claim_statistics_recomputed_from_the_logs(name):
     entry = CLAIMS[name]
