@@ -22,6 +22,27 @@ def load_script(name: str, tag: str = "under_test"):
     return module
 
 
+def captured_parser(module):
+    """The ``trainers.cli.ArgumentParser`` a script's ``parse_args`` builds, captured as it
+    starts parsing (nothing is parsed)."""
+    from trainers import cli
+
+    captured = []
+    original = cli.ArgumentParser.parse_known_args
+
+    def capture(self, args=None, namespace=None):
+        captured.append(self)
+        raise SystemExit(0)
+
+    cli.ArgumentParser.parse_known_args = capture
+    try:
+        with pytest.raises(SystemExit):
+            module.parse_args([])
+    finally:
+        cli.ArgumentParser.parse_known_args = original
+    return captured[0]
+
+
 def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
 

@@ -18,7 +18,7 @@ import pytest
 
 from trainers.cli import run_main
 
-from ._scripts import load_script
+from ._scripts import captured_parser, load_script
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -117,23 +117,7 @@ BASE = {"prepare_bert_data": ["--output-dir", "unused", "--stdlib-corpus", "unus
 
 
 def _parser(name: str):
-    """The script's parser, captured when its parse_args parses."""
-    from trainers import cli
-
-    captured = []
-    original = cli.ArgumentParser.parse_known_args
-
-    def capture(self, args=None, namespace=None):
-        captured.append(self)
-        raise SystemExit(0)
-
-    cli.ArgumentParser.parse_known_args = capture
-    try:
-        with pytest.raises(SystemExit):
-            MODULES[name].parse_args([])
-    finally:
-        cli.ArgumentParser.parse_known_args = original
-    return captured[0]
+    return captured_parser(MODULES[name])
 
 
 def _values(name: str) -> dict[str, st.SearchStrategy[str]]:

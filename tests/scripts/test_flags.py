@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from ._scripts import captured_parser
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("train_imagenet", "finetune_squad", "pretrain_bert", "train_gnn", "prepare_bert_data")
 
@@ -27,23 +29,8 @@ def _script(name: str):
 
 
 def _parser(name: str):
-    """The script's parser, captured by running parse_args on --help."""
-    from trainers import cli
-
-    captured = []
-    original = cli.ArgumentParser.parse_known_args
-
-    def capture(self, args=None, namespace=None):
-        captured.append(self)
-        raise SystemExit(0)
-
-    cli.ArgumentParser.parse_known_args = capture
-    try:
-        with pytest.raises(SystemExit):
-            _script(name).parse_args([])
-    finally:
-        cli.ArgumentParser.parse_known_args = original
-    return captured[0]
+    """The script's parser, captured as its parse_args starts parsing."""
+    return captured_parser(_script(name))
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

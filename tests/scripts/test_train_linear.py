@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from ._scripts import captured_parser
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "train_linear.py"
 
@@ -160,22 +162,7 @@ def test_two_process_feature_partitioned_run_equals_one_process(script, tmp_path
 
 
 def test_flags_are_dashed_and_never_abbreviated(script):
-    from trainers import cli
-
-    captured = []
-    original = cli.ArgumentParser.parse_known_args
-
-    def capture(self, args=None, namespace=None):
-        captured.append(self)
-        raise SystemExit(0)
-
-    cli.ArgumentParser.parse_known_args = capture
-    try:
-        with pytest.raises(SystemExit):
-            script.parse_args([])
-    finally:
-        cli.ArgumentParser.parse_known_args = original
-    parser = captured[0]
+    parser = captured_parser(script)
     flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
     assert "--run-log" in flags and "--max-steps" in flags and "--seed" in flags
     assert [f for f in flags if "_" in f] == [] and parser.allow_abbrev is False
