@@ -62,8 +62,7 @@ FAMILIES = {
 processor = reproduce.processor_name
 
 
-def same_processor(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(a.get(k) == b.get(k) for k in ("vendor", "family", "model"))
+same_processor = reproduce.same_processor
 
 
 def difference(original: Sequence[dict], rerun: Sequence[dict], steps: int) -> dict[str, Any]:
@@ -207,8 +206,9 @@ def add_trace(log: Path, python: str) -> Path | None:
     original = reproduce.read_log(str(log))
     header = original[0]
     here = reproduce.native_fingerprint(python)
-    if reproduce.nondeterministic_reason(header):
-        raise UsageError(f"{log}: {reproduce.nondeterministic_reason(header)}")
+    reason = reproduce.nondeterministic_reason(header)
+    if reason:
+        raise UsageError(f"{log}: {reason}")
     if same_processor((header.get("fingerprint") or {}).get("cpu") or {}, here.get("cpu") or {}):
         print(f"{log}: made on this processor model; no second trace needed")
         return None
@@ -315,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         for log in [Path(x) for x in (args.logs or FAMILIES.values())]:
             if not log.is_file():
                 raise UsageError(f"{log}: no such run log")
-            if reproduce.read_log(str(log))[0].get("world_size", 1) > 1:
-                print(f"{log}: {reproduce.read_log(str(log))[0]['world_size']} processes; "
+            world_size = reproduce.read_log(str(log))[0].get("world_size", 1)
+            if world_size > 1:
+                print(f"{log}: {world_size} processes; "
                       "an operator trace records one: skipped")  # fmt: skip
                 continue
             record_trace(log, args.steps, args.python, portable=args.portable)

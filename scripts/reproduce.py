@@ -348,11 +348,7 @@ def portable_evidence(log: Path, results: Path | None = None) -> str | None:
     (the name of its folder): a log of that recipe made in the mode (``MODELZOO_PORTABLE=1``
     among its pins) whose rerun on another processor model was identical in every compared
     record. ``"made on A, rerun on B (N records)"``, or None."""
-    try:
-        text = (results or CROSS_PROCESSOR).read_text(encoding="utf-8")
-        pairs = json.loads(text).get("pairs", [])
-    except (OSError, ValueError, AttributeError):
-        return None
+    pairs = _pairs(results)
     recipe = log.resolve().parent.name
     found = [
         _evidence(p)
@@ -363,6 +359,15 @@ def portable_evidence(log: Path, results: Path | None = None) -> str | None:
         and _identical_and_complete(p)
     ]
     return "; ".join(found) or None
+
+
+def _pairs(results: Path | None) -> list[dict[str, Any]]:
+    """The pairs of ``results`` (default ``logs/cross_processor.json``); none if unreadable."""
+    try:
+        pairs = json.loads((results or CROSS_PROCESSOR).read_text(encoding="utf-8"))["pairs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return pairs if isinstance(pairs, list) else []
 
 
 def _identical_and_complete(pair: dict[str, Any]) -> bool:
@@ -393,10 +398,7 @@ def pair_evidence(
     log's pins, computes the same bits on the log's processor model and on this one: a log
     of the recipe made on that model and rerun whole on this one, identical in every record.
     A log then is re-created here although its processor differs. None without such a pair."""
-    try:
-        pairs = json.loads((results or CROSS_PROCESSOR).read_text(encoding="utf-8"))["pairs"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    pairs = _pairs(results)
     fingerprint = header.get("fingerprint") or {}
     pins = {k: v for k, v in (fingerprint.get("isa_pins") or {}).items() if v}
     made_on = processor_name(fingerprint.get("cpu") or {})
@@ -414,11 +416,14 @@ def pair_evidence(
     return "; ".join(found) or None
 
 
+def same_processor(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two fingerprints' ``cpu`` are the same processor model (the processor rule)."""
+    return all(a.get(k) == b.get(k) for k in ("vendor", "family", "model"))
+
+
 def _other_processor(header: Record, here: dict[str, Any]) -> bool:
-    key = ("vendor", "family", "model")
-    rec = ((header.get("fingerprint") or {}).get("cpu")) or {}
-    cpu = here.get("cpu") or {}
-    return tuple(rec.get(k) for k in key) != tuple(cpu.get(k) for k in key)
+    recorded = (header.get("fingerprint") or {}).get("cpu") or {}
+    return not same_processor(recorded, here.get("cpu") or {})
 
 
 def native_fingerprint(python: str = sys.executable) -> dict[str, Any]:
