@@ -40,9 +40,28 @@ sys.path.insert(0, str(REPO))
 from trainers.claims import load_claims, make_recipe, write_claims  # noqa: E402
 from trainers.logs import ISA_PIN_VARIABLES, PORTABLE_CPU_PINS, read_run_log  # noqa: E402
 
+
+def _publish() -> Any:
+    """scripts/publish.py as a module (its trivial levels)."""
+    import importlib.util  # noqa: PLC0415
+
+    spec = importlib.util.spec_from_file_location("_publish", REPO / "scripts" / "publish.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+publish = _publish()
+
 NODES = 4
-TRIVIAL_TOP1 = 36 / 359  # one class for every held-out image: the largest class, 36 of 359
 TARGET = 0.97  # held-out top-1; the 4-process averaging recipe ends at 0.988 +- 0.003
+# Why a mode misses the target (its negative result's diagnosis in logs/claims.json)
+NOT_REACHED = {
+    "pipesgd": "Pipe-SGD at the recipe's lr 0.05 does not reach the {target:.0%} target in 12 "
+    "epochs (at the end: {best:.2%}): its gradients are one step old, and a delayed gradient needs a "
+    "smaller step; at lr 0.025 it reaches it (digits_lab4_{cap}_pipesgd_lr025)",
+}
 BASE = ["scripts/train_imagenet.py", "-j", "0", "--no-progress", "--batch-size", "16",
         "--log-interval", "5", "--target-top1", str(TARGET)]  # fmt: skip
 #: mode -> its flags (the published 4-process / 2-process recipes' settings)
@@ -291,11 +310,17 @@ def cmd_report(args: argparse.Namespace) -> int:
             logs = [r["log"] for r in runs]
             reached = all(r["reached"] for r in runs)
             what = f"4 lab nodes at {cap}, {LABELS[mode]}, stopped at {TARGET:.0%} held-out top-1"
+            best = max(r["top1"] for r in runs) if not reached else None
             entry = make_recipe(
                 logs, metric="top1", source="last_eval",
-                documented_minimum=TARGET if reached else TRIVIAL_TOP1,
+                # a mode that misses the target is a negative result, bounded by the target
+                documented_minimum=TARGET, min_seeds=len(logs), root=REPO,
                 description=what if reached else f"{what}: NOT REACHED in 12 epochs (negative)",
-                min_seeds=len(logs), root=REPO,
+                trivial=publish.trivial_of(logs),
+                baseline=None if mode == "average" else recipe_name("average", cap),
+                diagnosis=None if reached else NOT_REACHED.get(
+                    mode, "does not reach the {target:.0%} target in 12 epochs (at the end: {best:.2%})"
+                ).format(target=TARGET, best=best, cap=cap),
             )  # fmt: skip
             claims["recipes"][recipe_name(mode, cap)] = entry
     write_claims(claims_path, claims)

@@ -631,6 +631,19 @@ def build_tokenizer(args: argparse.Namespace, progress: bool) -> BertTokenizer:
 # ---------------------------------------------------------------------------------------------
 
 
+def trivial_level(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The task's trivial level for a run log's claims (``logs/claims.json``): the F1 of the
+    untrained QA head on the run's own evaluation set, which ``--eval-at-start`` measures
+    before the first step (the log's step-0 evaluation)."""
+    start = [r for r in records if r.get("kind") == "eval" and r.get("step") == 0]
+    if not start or start[0].get("f1") is None:
+        raise SystemExit(
+            "the log has no step-0 evaluation: publish SQuAD recipes with --eval-at-start "
+            "(the untrained QA head's F1 is the task's trivial level)"
+        )
+    return {"value": float(start[0]["f1"]), "how": "the untrained QA head's F1 (step 0)"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_args(args)

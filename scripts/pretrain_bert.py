@@ -39,6 +39,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ from modelzoo.nlp.pretraining import (
 from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
 from modelzoo.store import ChecksumError, DownloadError, cache_root
 from trainers import DistEnv, Trainer, TrainerConfig, make_header
+from trainers.claims import majority_level
 from trainers.cli import (
     DTYPES,
     ArgumentParser,
@@ -349,10 +351,16 @@ def _cache_root(args: argparse.Namespace) -> Path:
 
 
 def builtin_data(
-    args: argparse.Namespace, tokenizer: BertTokenizer, env: DistEnv
-) -> dict[int, tuple[Path, Path]]:
+    args: argparse.Namespace,
+    tokenizer: BertTokenizer,
+    env: DistEnv,
+    *,
+    phases: Sequence[int] = (1, 2),
+    splits: Sequence[str] = ("train", "dev"),
+) -> dict[int, tuple[Path | None, Path | None]]:
     """Train/dev shard directories of the stdlib-docstring corpus for each phase, made once
-    (under a file lock, so concurrent ranks build them once) and reused."""
+    (under a file lock, so concurrent ranks build them once) and reused; only the ``splits``
+    asked for are made (``None`` for the others)."""
     from filelock import FileLock
 
     key = {
@@ -365,17 +373,17 @@ def builtin_data(
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     root = _cache_root(args) / f"stdlib-{digest}"
     root.parent.mkdir(parents=True, exist_ok=True)
-    out: dict[int, tuple[Path, Path]] = {}
+    out: dict[int, tuple[Path | None, Path | None]] = {}
     with FileLock(str(root) + ".lock"):
-        corpus = {s: root / "corpus" / f"{s}.txt" for s in ("train", "dev")}
+        corpus = {s: root / "corpus" / f"{s}.txt" for s in splits}
         for split, path in corpus.items():
             if not path.is_file():
                 stats = write_stdlib_corpus(path, split)
                 if env.is_main:
                     print(f"wrote {path}: {stats}", flush=True)
-        for n in (1, 2):
-            dirs = []
-            for split in ("train", "dev"):
+        for n in phases:
+            dirs: dict[str, Path | None] = {"train": None, "dev": None}
+            for split in splits:
                 directory = root / f"phase{n}-{split}"
                 if not (directory / "index.json").is_file():
                     config = InstanceConfig(
@@ -388,8 +396,8 @@ def builtin_data(
                         [corpus[split]], directory, tokenizer, config, overwrite=True,
                         progress=env.is_main and not args.no_progress,
                     )  # fmt: skip
-                dirs.append(directory)
-            out[n] = (dirs[0], dirs[1])
+                dirs[split] = directory
+            out[n] = (dirs["train"], dirs["dev"])
     return out
 
 
@@ -443,6 +451,48 @@ def load_phase_data(
             )
         out[n] = (train, dev)
     return out
+
+
+def trivial_level(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The masked-LM task's trivial level for a run log's claims (``logs/claims.json``): the
+    accuracy of the best constant prediction (one token for every masked position; no unigram
+    model does better) on the held-out instances of the run's last phase, which its final
+    ``mlm_accuracy`` is measured on."""
+    args = parse_args(list(records[0]["command"][1:]))
+    phase = args.phase_list[-1]
+    data = ("vocab_file", "corpus_vocab", "phase1_model", "phase1_data", "phase2_data",
+            f"phase{phase}_eval_data", f"phase{phase}_max_seq_length",
+            f"phase{phase}_max_predictions", "dupe_factor", "data_seed", "cache_dir")  # fmt: skip
+    key = json.dumps([phase, *(getattr(args, k) for k in data)], default=str)
+    if key not in _TRIVIAL:  # the seeds of a recipe (and recipes) share their held-out data
+        _TRIVIAL[key] = _trivial_level(args, phase)
+    return dict(_TRIVIAL[key])
+
+
+_TRIVIAL: dict[str, dict[str, Any]] = {}
+
+
+def _trivial_level(args: argparse.Namespace, phase: int) -> dict[str, Any]:
+    tokenizer = load_tokenizer(args)
+    if args.builtin:
+        _, dev_dir = builtin_data(args, tokenizer, DistEnv(), phases=(phase,), splits=("dev",))[
+            phase
+        ]
+        where = f"the built-in corpus's held-out phase-{phase} instances"
+    else:
+        dev_dir = getattr(args, f"phase{phase}_eval_data")
+        where = f"--phase{phase}-eval-data {dev_dir}"
+        if dev_dir is None:
+            raise SystemExit(f"the run evaluated no held-out data (--phase{phase}-eval-data)")
+    dev = PretrainingShards(dev_dir, vocab_sha256=_vocab_sha(tokenizer))
+    labels = []
+    for index in range(len(dev)):
+        record = dev[index]
+        labels.extend(record["masked_ids"][: int(record["num_masked"])].tolist())
+    return majority_level(
+        labels, what=f"masked tokens of {where}", kind="best constant prediction",
+        name=lambda i: repr(tokenizer.convert_ids_to_tokens([int(i)])[0]),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

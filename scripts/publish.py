@@ -15,8 +15,17 @@ Usage::
     # list a recipe whose logs exist already (e.g. one written before fingerprints: "legacy")
     python scripts/publish.py add old_recipe --logs logs/old_recipe.jsonl \
         --metric f1 --source end --minimum 43 --min-seeds 3 --description "..."
+    # a method that fails here: a negative result, with its diagnosis, beside its plain baseline
+    python scripts/publish.py run digits_x --seeds 0-2 --metric top1 --minimum 0 \
+        --baseline digits_resnest14 --negative "at chance: ..." -- scripts/train_imagenet.py ...
     python scripts/publish.py docs     # regenerate the claims tables in docs/ from claims.json
     python scripts/publish.py check    # claims.json and the docs tables agree with the logs
+
+Each recipe states its task's trivial level, computed from the data by the training
+script's ``trivial_level(records)`` (majority class, best constant masked-LM prediction, the
+untrained QA head's F1), and its plain ``--baseline`` recipe; a claim at or below the trivial
+level is refused. A method that fails in a setting is published with ``--negative
+"DIAGNOSIS"``: a negative result, listed apart in the docs.
 
 Every run is made with ``trainers.logs.PORTABLE_CPU_PINS`` in its environment (ATen's and
 oneDNN's ISA at AVX2, MKL's conditional numerical reproducibility at AVX2) and a fixed thread
@@ -31,6 +40,7 @@ of ``docs/`` is replaced by a table of those recipes (mean +- std over n seeds, 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import subprocess
@@ -45,7 +55,7 @@ from filelock import FileLock
 from trainers.checkpoint import atomic_write_text
 from trainers.claims import ClaimsError, load_claims, make_recipe, write_claims
 from trainers.cli import run_main, split_command
-from trainers.logs import ISA_PIN_VARIABLES, PORTABLE_CPU_PINS, PORTABLE_EXACT_PINS
+from trainers.logs import ISA_PIN_VARIABLES, PORTABLE_CPU_PINS, PORTABLE_EXACT_PINS, read_run_log
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CLAIMS = REPO_ROOT / "logs" / "claims.json"
@@ -180,17 +190,68 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.no_claims or args.native:
         return 0
     logs = sorted(out_dir.glob("seed*.jsonl"), key=lambda p: int(p.stem[4:]))
-    entry = make_recipe(
-        logs, metric=args.metric, source=args.source, documented_minimum=args.minimum,
-        description=args.description, min_seeds=args.min_seeds, root=REPO_ROOT,
-    )  # fmt: skip
+    entry = _recipe(logs, args)
     update_claims(Path(args.claims), args.recipe, entry)
     spread = "" if entry["std"] is None else f" +- {entry['std']:.4f}"
+    bound = "<=" if entry["status"] == "negative" else ">="
     print(
         f"{args.recipe}: {entry['metric']} {entry['mean']:.4f}{spread} over {entry['n']} seeds, "
-        f"min {entry['min']:.4f}, claim >= {entry['claim']:.4f} -> {args.claims}"
+        f"min {entry['min']:.4f}, trivial level {entry['trivial']['value']:.4f}, "
+        f"{entry['status']}, claim {bound} {entry['claim']:.4f} -> {args.claims}"
     )
     return 0
+
+
+_SCRIPTS: dict[str, Any] = {}
+
+
+def _script(name: str) -> Any:
+    """The training script ``scripts/<name>`` as a module (imported once)."""
+    if name not in _SCRIPTS:
+        path = REPO_ROOT / "scripts" / name
+        if not path.is_file():
+            raise ClaimsError(f"the log's command runs {name}, which is not in scripts/")
+        spec = importlib.util.spec_from_file_location(f"_publish_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # (dataclasses look their module up)
+        spec.loader.exec_module(module)
+        _SCRIPTS[name] = module
+    return _SCRIPTS[name]
+
+
+def trivial_of(logs: Sequence[str | os.PathLike[str]]) -> dict[str, Any]:
+    """The task's trivial level for a recipe's seeds: each log's script computes it from the
+    run's data (``trivial_level(records)``); the highest over the seeds is kept (seeds that
+    draw their own data or their own untrained head may differ)."""
+    levels = []
+    for log in logs:
+        records = read_run_log(log)
+        script = Path(records[0]["command"][0]).name
+        module = _script(script)
+        if not hasattr(module, "trivial_level"):
+            raise ClaimsError(
+                f"{script} has no trivial_level(records): its task's level is unknown"
+            )
+        try:
+            levels.append(module.trivial_level(records))
+        except SystemExit as e:
+            raise ClaimsError(f"{log}: the trivial level: {e}") from None
+    best = max(levels, key=lambda level: level["value"])
+    if len({level["value"] for level in levels}) > 1:
+        best = {**best, "how": f"{best['how']}, the highest of the {len(levels)} seeds'"}
+    return best
+
+
+def _recipe(logs: Sequence[Path], args: argparse.Namespace) -> dict[str, Any]:
+    """The claims entry of ``logs`` declared by ``args`` (run/add)."""
+    claims = load_claims(args.claims) if Path(args.claims).is_file() else {"recipes": {}}
+    if args.baseline is not None and args.baseline not in claims["recipes"]:
+        raise ClaimsError(f"--baseline {args.baseline}: no such recipe in {args.claims}")
+    return make_recipe(
+        logs, metric=args.metric, source=args.source, documented_minimum=args.minimum,
+        description=args.description, min_seeds=args.min_seeds, root=REPO_ROOT,
+        trivial=trivial_of(logs), baseline=args.baseline, diagnosis=args.negative,
+    )  # fmt: skip
 
 
 def update_claims(path: Path, name: str, entry: dict[str, Any]) -> None:
@@ -202,13 +263,11 @@ def update_claims(path: Path, name: str, entry: dict[str, Any]) -> None:
 
 
 def cmd_add(args: argparse.Namespace) -> int:
-    entry = make_recipe(
-        [REPO_ROOT / p if not Path(p).is_absolute() else Path(p) for p in args.logs],
-        metric=args.metric, source=args.source, documented_minimum=args.minimum,
-        description=args.description, min_seeds=args.min_seeds, root=REPO_ROOT,
-    )  # fmt: skip
+    logs = [REPO_ROOT / p if not Path(p).is_absolute() else Path(p) for p in args.logs]
+    entry = _recipe(logs, args)
     update_claims(Path(args.claims), args.recipe, entry)
-    print(f"{args.recipe}: {entry['status']}, n={entry['n']}, claim >= {entry['claim']:.4f}")
+    bound = "<=" if entry["status"] == "negative" else ">="
+    print(f"{args.recipe}: {entry['status']}, n={entry['n']}, claim {bound} {entry['claim']:.4f}")
     return 0
 
 
@@ -225,27 +284,61 @@ def _is_fraction(entry: dict[str, Any]) -> bool:
     return bool(values) and all(abs(v) <= 1.5 for v in values)
 
 
+def _spread(e: dict[str, Any], pct: bool) -> str:
+    if e["std"] is None:
+        return f"{_fmt(e['mean'], pct)} ({e['n']})"
+    return f"{_fmt(e['mean'], pct)} ± {_fmt(e['std'], pct)} ({e['n']})"
+
+
+def _baseline(claims: dict[str, Any], e: dict[str, Any], pct: bool) -> str:
+    name = e.get("baseline")
+    if name is None:
+        return "-"
+    return f"`{name}`: {_fmt(claims['recipes'][name]['mean'], pct)}"
+
+
 def render_table(claims: dict[str, Any], names: Sequence[str]) -> str:
-    """The markdown table of a docs block (see the module docstring)."""
-    lines = [
-        "| recipe | status | metric | mean ± std (n seeds) | min | max | claim (a fresh run reaches) |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    """The markdown table(s) of a docs block (see the module docstring): the recipes that hold,
+    then, apart, the negative results with their diagnoses."""
     for name in names:
         if name not in claims["recipes"]:
             raise ClaimsError(f"docs name recipe {name!r}, which logs/claims.json does not list")
-        e = claims["recipes"][name]
-        m, pct = e["metric"], _is_fraction(e)
-        spread = (
-            f"{_fmt(e['mean'], pct)} ± {_fmt(e['std'], pct)}"
-            if e["std"] is not None
-            else _fmt(e["mean"], pct)
-        )
-        lines.append(
-            f"| `{name}` ({e['description']}) | {e['status']} | {m} | {spread} ({e['n']}) | {_fmt(e['min'], pct)} "
-            f"| {_fmt(e['max'], pct)} | ≥ {_fmt(e['claim'], pct)} |"
-        )
-    return "\n".join(lines) + "\n"
+    held = [n for n in names if claims["recipes"][n]["status"] != "negative"]
+    failed = [n for n in names if claims["recipes"][n]["status"] == "negative"]
+    parts = []
+    if held:
+        lines = [
+            "| recipe | status | metric | mean ± std (n seeds) | min | max | claim (a fresh run reaches) | trivial level | plain baseline (mean) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name in held:
+            e = claims["recipes"][name]
+            pct = _is_fraction(e)
+            trivial = e.get("trivial")
+            lines.append(
+                f"| `{name}` ({e['description']}) | {e['status']} | {e['metric']} | {_spread(e, pct)} "
+                f"| {_fmt(e['min'], pct)} | {_fmt(e['max'], pct)} | ≥ {_fmt(e['claim'], pct)} "
+                f"| {_fmt(trivial['value'], pct) if trivial else '-'} | {_baseline(claims, e, pct)} |"
+            )
+        parts.append("\n".join(lines) + "\n")
+    if failed:
+        lines = [
+            "**Negative results** (the method fails in this setting; a fresh run reproduces the failure when it stays at or below the bound):\n",
+            "| recipe | metric | mean ± std (n seeds) | min | max | trivial level | plain baseline (mean) | a fresh run stays ≤ | diagnosis |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name in failed:
+            e = claims["recipes"][name]
+            pct = _is_fraction(e)
+            trivial = e.get("trivial")
+            lines.append(
+                f"| `{name}` ({e['description']}) | {e['metric']} | {_spread(e, pct)} "
+                f"| {_fmt(e['min'], pct)} | {_fmt(e['max'], pct)} "
+                f"| {_fmt(trivial['value'], pct) if trivial else '-'} | {_baseline(claims, e, pct)} "
+                f"| {_fmt(e['claim'], pct)} | {e['diagnosis']} |"
+            )
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts)
 
 
 def render_docs(claims: dict[str, Any], docs: Path = DOCS) -> dict[Path, str]:
@@ -274,10 +367,13 @@ def check(claims_path: Path = CLAIMS, docs: Path = DOCS) -> list[str]:
     claims = load_claims(claims_path)
     for name, entry in claims["recipes"].items():
         try:
+            logs = [REPO_ROOT / p for p in entry["logs"]]
             fresh = make_recipe(
-                [REPO_ROOT / p for p in entry["logs"]], metric=entry["metric"],
-                source=entry["source"], documented_minimum=entry["documented_minimum"],
+                logs, metric=entry["metric"], source=entry["source"],
+                documented_minimum=entry["documented_minimum"],
                 description=entry["description"], min_seeds=entry["min_seeds"], root=REPO_ROOT,
+                trivial=trivial_of(logs), baseline=entry["baseline"],
+                diagnosis=entry["diagnosis"],
             )  # fmt: skip
         except (ClaimsError, OSError, ValueError) as e:
             problems.append(f"{name}: {e}")
@@ -335,6 +431,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.add_argument("--minimum", type=float, required=True)
         parser.add_argument("--description", required=True)
         parser.add_argument("--min-seeds", type=int, default=5)
+    for parser in (r, a):
+        parser.add_argument(
+            "--baseline",
+            default=None,
+            metavar="RECIPE",
+            help="the plain recipe of the same task (none: this one is plain)",
+        )
+        parser.add_argument(
+            "--negative",
+            default=None,
+            metavar="DIAGNOSIS",
+            help="publish a failure as a negative result, saying why it fails",
+        )
     sub.add_parser("docs", help="regenerate the claims tables in docs/")
     sub.add_parser("check", help="claims file and docs tables agree with the logs")
     args = p.parse_args(argv)

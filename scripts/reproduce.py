@@ -16,7 +16,9 @@ Two checks (docs/run_logs.md, "Reproducing a log"):
   header's ``configs``) are never comparable exactly.
 * **statistical** (``--full``): reruns the whole recipe on any machine and checks the final
   metric against the recipe's claim in ``logs/claims.json`` (not below max(documented
-  minimum, mean - 3 std) of its published seeds). On a comparable machine the whole trace is
+  minimum, mean - 3 std) of its published seeds, and above the task's trivial level whatever
+  the band; a negative result's rerun must stay at or below its bound: the failure
+  reproduces). On a comparable machine the whole trace is
   compared exactly as well.
 
 Contract with the training scripts (every ``scripts/*.py`` that writes a run log):
@@ -68,7 +70,14 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from trainers.claims import ClaimsError, find_recipe, load_claims, metric_of
+from trainers.claims import (
+    ClaimsError,
+    at_trivial_level,
+    claim_met,
+    find_recipe,
+    load_claims,
+    metric_of,
+)
 from trainers.cli import run_main
 from trainers.comm import combiner_class
 from trainers.logs import (
@@ -475,16 +484,28 @@ def claim_for(log_path: str, claims_path: Path) -> tuple[str, dict[str, Any]]:
 
 
 def check_claim(name: str, recipe: dict[str, Any], records: Sequence[Record]) -> tuple[bool, str]:
-    """Whether a full rerun's final metric meets the recipe's claim, and a line saying so."""
+    """Whether a full rerun's final metric meets the recipe's claim (above the task's trivial
+    level whatever the band; for a negative result: the failure reproduces, at or below its
+    bound), and a line saying so."""
     value = metric_of(records, recipe["metric"], recipe["source"])
     claim = recipe["claim"]
+    negative = recipe["status"] == "negative"
     spread = "" if recipe["std"] is None else f" +- {recipe['std']:.3g}"
+    trivial = recipe.get("trivial")
+    level = "" if trivial is None else f", trivial level {trivial['value']:.6g}"
     band = (
-        f"recipe {name}: {recipe['metric']}={value:.6g}, claim >= {claim:.6g} "
-        f"(mean {recipe['mean']:.6g}{spread} over {recipe['n']} seeds, min "
-        f"{recipe['min']:.6g}, documented minimum {recipe['documented_minimum']:.6g})"
+        f"recipe {name}: {recipe['metric']}={value:.6g}, claim {'<=' if negative else '>='} "
+        f"{claim:.6g} (mean {recipe['mean']:.6g}{spread} over {recipe['n']} seeds, min "
+        f"{recipe['min']:.6g}, documented {'level' if negative else 'minimum'} "
+        f"{recipe['documented_minimum']:.6g}{level})"
     )
-    return value >= claim, ("claim met: " if value >= claim else "claim missed: ") + band
+    met = claim_met(value, recipe)
+    if negative:
+        verdict = "negative result reproduced: " if met else "negative result NOT reproduced: "
+        return met, verdict + band + f"; diagnosis: {recipe['diagnosis']}"
+    if at_trivial_level(value, recipe):
+        return False, f"claim missed: at the task's trivial level ({trivial['how']}): " + band
+    return met, ("claim met: " if met else "claim missed: ") + band
 
 
 def main(argv: Sequence[str] | None = None) -> int:

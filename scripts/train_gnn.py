@@ -44,6 +44,7 @@ from modelzoo.graph.transforms import NodeFeatures
 from modelzoo.registry import get_model_entry
 from modelzoo.store import ChecksumError, DownloadError, cache_root
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
+from trainers.claims import majority_level
 from trainers.cli import (
     ArgumentParser,
     Bound,
@@ -340,6 +341,19 @@ def _model_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {"hidden_channels": args.hidden, "num_layers": args.num_layers,
                "heads": args.heads, "dropout": args.dropout}  # fmt: skip
     return {k: v for k, v in options.items() if v is not None}
+
+
+def trivial_level(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The task's trivial level for a run log's claims (``logs/claims.json``): the accuracy of
+    the best constant prediction (the majority class) on the run's test nodes (or test
+    graphs), which its ``best_test_acc`` is measured on."""
+    args = parse_args(list(records[0]["command"][1:]))
+    loaded = load_dataset(args)
+    if args.dataset in GRAPH_DATASETS:
+        graphs, splits = loaded
+        labels = [int(graphs[int(i)].y) for i in splits["test"]]
+        return majority_level(labels, what=f"test graphs of {args.dataset}")
+    return majority_level(loaded.y[loaded.test_mask].tolist(), what=f"test nodes of {args.dataset}")
 
 
 # ------------------------------------------------------------------------------------- main

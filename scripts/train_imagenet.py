@@ -38,6 +38,7 @@ from modelzoo.vision.recordio import RecordIODataset
 from modelzoo.vision.tasks import DropBlockRamp, ImageClassificationTask
 from modelzoo.vision.transforms import eval_transforms, train_transforms
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
+from trainers.claims import majority_level
 from trainers.cli import (
     DTYPES,
     ArgumentParser,
@@ -435,6 +436,21 @@ def _resume_path(args: argparse.Namespace) -> Path:
             "--resume without a path continues from <save-dir>/latest.pt: pass --save-dir"
         )
     return Path(args.save_dir) / "latest.pt"
+
+
+def trivial_level(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The task's trivial level for a run log's claims (``logs/claims.json``): the top-1 of the
+    best constant prediction (the majority class) on the images the run evaluates."""
+    args = parse_args(list(records[0]["command"][1:]))
+    if args.dataset == "recordio":
+        raise SystemExit("the trivial level of a RecordIO validation set is not computed: "
+                         "publish the recipe from an image folder")  # fmt: skip
+    root = digits_imagefolder() if args.dataset == "digits" else Path(args.data_dir).expanduser()
+    val = ImageFolder(root / "val", None)
+    where = "held-out digits" if args.dataset == "digits" else f"images of {args.data_dir}/val"
+    return majority_level(
+        [target for _, target in val.samples], what=where, name=lambda t: val.classes[t]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

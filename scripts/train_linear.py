@@ -60,6 +60,7 @@ from modelzoo.linear import (
 from modelzoo.linear.svmlight import SvmlightFormatError
 from trainers import DistEnv, RunLogger, make_header
 from trainers.checkpoint import CheckpointError
+from trainers.claims import majority_level
 from trainers.cli import (
     ArgumentParser,
     Bound,
@@ -576,6 +577,17 @@ def train_rowparallel(
 
 
 # ------------------------------------------------------------------------------------- main
+def trivial_level(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The task's trivial level for a run log's claims (``logs/claims.json``): the accuracy of
+    the best constant prediction (the majority class) on the run's held-out rows."""
+    args = parse_args(list(records[0]["command"][1:]))
+    data = load_data(args, torch.float64)
+    if data["task"] == "regression":
+        raise SystemExit("a regression has no majority class: its claims need another level")
+    where = args.dataset if args.dataset != "svmlight" else args.data_file
+    return majority_level(data["y_test"].long().tolist(), what=f"held-out rows of {where}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)  # a --data-file that is not there: named by load_data
     if print_config(args):

@@ -6,11 +6,23 @@ mean, (sample) standard deviation, min and max, and the claim a fresh run must m
     claim = max(documented minimum, mean - 3 std)
 
 A recipe with a single published seed has no spread to speak of: its claim is its documented
-minimum and ``std`` is null. ``status`` is ``"published"`` when every log carries a machine
+minimum and ``std`` is null.
+
+Every recipe also states its task's **trivial level** (``trivial``: the value and how it was
+computed from the data: the held-out set's majority class, the best constant masked-LM
+prediction, the untrained QA head's F1) and its plain **baseline** recipe (``baseline``: the
+recipe of the same task without the method, or null for a plain recipe). A claim at or below
+the trivial level is no result: :func:`make_recipe` refuses it. A method that fails in a
+setting is published as a **negative result** (``status: "negative"``, with its
+``diagnosis``): its claim is then an upper bound that a fresh run stays under (the failure
+reproduces), ``max(documented level, mean + 3 std)`` (its max for one seed), where the
+documented level is the one the method fails to reach (0 if none), and the docs list it
+apart. ``status`` is ``"published"`` when every log carries a machine
 fingerprint (made by ``scripts/publish.py``) and ``"legacy"`` when none does (a log written
 before fingerprints existed, listed until it is republished over seeds). A recipe declared
 with ``min_seeds=1`` is ``"single-seed"``: one fingerprinted run, a measurement rather than a
-claim over seeds (the lab study's modes outside its best ones), marked so in every table. ``scripts/publish.py`` writes the file; ``scripts/reproduce.py
+claim over seeds (the lab study's modes outside its best ones), marked so in every table;
+``"negative"`` is a failure published with its diagnosis (above). ``scripts/publish.py`` writes the file; ``scripts/reproduce.py
 --full`` checks a fresh run against it; the tests recompute every number from the logs.
 
 Example:
@@ -25,7 +37,7 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +47,12 @@ from trainers.logs import read_run_log
 __all__ = [
     "ClaimsError",
     "SOURCES",
+    "at_trivial_level",
+    "claim_met",
     "claim_value",
     "find_recipe",
     "load_claims",
+    "majority_level",
     "make_recipe",
     "metric_of",
     "published_logs",
@@ -50,7 +65,8 @@ __all__ = [
 SOURCES = ("end", "last_eval")
 RECIPE_FIELDS = (
     "description", "metric", "source", "documented_minimum", "min_seeds", "logs", "seeds",
-    "values", "n", "mean", "std", "min", "max", "claim", "status",
+    "values", "n", "mean", "std", "min", "max", "claim", "status", "trivial", "baseline",
+    "diagnosis",
 )  # fmt: skip
 
 
@@ -111,6 +127,53 @@ def claim_value(documented_minimum: float, mean: float, std: float | None) -> fl
     return max(float(documented_minimum), mean - 3.0 * std)
 
 
+def negative_claim_value(stats: Mapping[str, Any]) -> float:
+    """A negative result's bound, which a fresh run stays under (the failure reproduces):
+    ``mean + 3 std``, or the one seed's value."""
+    if stats["std"] is None:
+        return float(stats["max"])
+    return float(stats["mean"]) + 3.0 * float(stats["std"])
+
+
+def majority_level(
+    labels: Sequence[Any],
+    *,
+    what: str = "held-out examples",
+    name: Callable[[Any], str] = str,
+    kind: str = "majority class",
+) -> dict[str, Any]:
+    """The trivial level of a classification task: the accuracy of the best constant
+    prediction on the evaluated ``labels`` (the most frequent class's share; no constant
+    predictor does better). Returns ``{"value": ..., "how": ...}`` as claims store it; ``how``
+    names the class (``name(label)``) and counts the ``what``."""
+    counts: dict[Any, int] = {}
+    for label in labels:
+        key = label.item() if hasattr(label, "item") else label
+        counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        raise ValueError(f"no labels among the {what}: the trivial level needs the evaluated set")
+    best = max(sorted(counts, key=str), key=lambda k: counts[k])
+    total = sum(counts.values())
+    return {
+        "value": counts[best] / total,
+        "how": f"{kind} ({name(best)}: {counts[best]} of the {total} {what})",
+    }
+
+
+def at_trivial_level(value: float, entry: Mapping[str, Any]) -> bool:
+    """Whether ``value`` of ``entry``'s metric is at or below its task's trivial level."""
+    trivial = entry.get("trivial")
+    return trivial is not None and value <= float(trivial["value"])
+
+
+def claim_met(value: float, entry: Mapping[str, Any]) -> bool:
+    """Whether a fresh run's ``value`` meets ``entry``'s claim: at least the claim and above
+    the trivial level, or, for a negative result, at most its bound (the failure reproduces)."""
+    if entry["status"] == "negative":
+        return value <= float(entry["claim"])
+    return value >= float(entry["claim"]) and not at_trivial_level(value, entry)
+
+
 def _relative(path: str | os.PathLike[str], root: Path) -> str:
     resolved = Path(path).resolve()
     try:
@@ -128,9 +191,21 @@ def make_recipe(
     description: str,
     min_seeds: int = 5,
     root: str | os.PathLike[str] = ".",
+    trivial: Mapping[str, Any] | None = None,
+    baseline: str | None = None,
+    diagnosis: str | None = None,
 ) -> dict[str, Any]:
     """A claims.json recipe entry computed from its seeds' run logs (paths kept relative to
-    ``root``, the repository)."""
+    ``root``, the repository).
+
+    ``trivial`` (``{"value", "how"}``, e.g. from :func:`majority_level`) is the task's trivial
+    level, ``baseline`` the plain recipe of the same task, ``diagnosis`` (a negative result)
+    why the method fails here.
+
+    Raises:
+        ClaimsError: among others, a claim (or the seeds' mean) at or below the trivial level
+            for a recipe that is not declared a negative result.
+    """
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     root = Path(root)
@@ -151,6 +226,29 @@ def make_recipe(
             "republish the old ones, or list only one kind"
         )
     stats = summarize(values)
+    if trivial is not None:
+        trivial = {"value": float(trivial["value"]), "how": str(trivial["how"])}
+        if not math.isfinite(trivial["value"]):
+            raise ClaimsError(f"the trivial level is not finite ({trivial['value']})")
+    if diagnosis is not None and not diagnosis.strip():
+        raise ClaimsError("a negative result needs its diagnosis: say why the method fails here")
+    claim = claim_value(documented_minimum, stats["mean"], stats["std"])
+    if diagnosis is None and trivial is not None:
+        level = trivial["value"]
+        if stats["mean"] <= level:
+            raise ClaimsError(
+                f"the seeds' mean {metric} {stats['mean']:.4g} is at or below the task's trivial "
+                f"level {level:.4g} ({trivial['how']}): a constant predictor does as well; "
+                "publish it as a negative result with its diagnosis (--negative)"
+            )
+        if claim <= level:
+            raise ClaimsError(
+                f"the claim {claim:.4g} is at or below the task's trivial level {level:.4g} "
+                f"({trivial['how']}): raise the documented minimum above it (every seed "
+                f"reaches {stats['min']:.4g}), or publish a negative result (--negative)"
+            )
+    if diagnosis is not None:  # the documented minimum is then the level it fails to reach
+        claim = max(float(documented_minimum), negative_claim_value(stats))
     return {
         "description": description,
         "metric": metric,
@@ -161,12 +259,22 @@ def make_recipe(
         "seeds": seeds,
         "values": values,
         **stats,
-        "claim": claim_value(documented_minimum, stats["mean"], stats["std"]),
+        "claim": claim,
         # "legacy": logs written before fingerprints, one seed each, awaiting republication;
-        # "single-seed": declared as one run (min_seeds=1), not a claim over seeds
+        # "single-seed": declared as one run (min_seeds=1), not a claim over seeds;
+        # "negative": a failure published with its diagnosis
         "status": (
-            "legacy" if not all(fingerprinted) else "single-seed" if min_seeds == 1 else "published"
+            "negative"
+            if diagnosis is not None
+            else "legacy"
+            if not all(fingerprinted)
+            else "single-seed"
+            if min_seeds == 1
+            else "published"
         ),  # fmt: skip
+        "trivial": trivial,
+        "baseline": baseline,
+        "diagnosis": diagnosis,
     }
 
 
@@ -188,6 +296,14 @@ def load_claims(path: str | os.PathLike[str]) -> dict[str, Any]:
             raise ClaimsError(f"{path}: recipe {name!r} lacks {', '.join(missing)}")
         if entry["source"] not in SOURCES:
             raise ClaimsError(f"{path}: recipe {name!r}: source must be one of {SOURCES}")
+        if (entry["status"] == "negative") != bool(entry["diagnosis"]):
+            raise ClaimsError(
+                f"{path}: recipe {name!r}: a negative result, and only one, carries a diagnosis"
+            )
+        if entry["baseline"] is not None and entry["baseline"] not in recipes:
+            raise ClaimsError(
+                f"{path}: recipe {name!r}: its baseline {entry['baseline']!r} is no recipe here"
+            )
     return claims
 
 
@@ -209,8 +325,9 @@ def write_claims(path: str | os.PathLike[str], claims: Mapping[str, Any]) -> Pat
     """Write the claims file atomically, recipes sorted by name."""
     recipes = dict(sorted(claims["recipes"].items()))
     for name, entry in recipes.items():
-        for field in ("mean", "std", "min", "max", "claim"):
-            value = entry.get(field)
+        trivial = (entry.get("trivial") or {}).get("value")
+        for field, value in [*((f, entry.get(f)) for f in ("mean", "std", "min", "max", "claim")),
+                             ("trivial level", trivial)]:  # fmt: skip
             if value is not None and not math.isfinite(value):
                 raise ClaimsError(f"recipe {name!r}: {field} is not finite ({value})")
     text = json.dumps({"recipes": recipes}, indent=1, sort_keys=False) + "\n"

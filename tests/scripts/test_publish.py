@@ -12,11 +12,15 @@ import pytest
 
 from trainers.claims import (
     ClaimsError,
+    at_trivial_level,
+    claim_met,
     claim_value,
     find_recipe,
     load_claims,
+    majority_level,
     make_recipe,
     metric_of,
+    write_claims,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,14 +94,24 @@ FAKE = """
 import argparse, json, os, sys
 p = argparse.ArgumentParser()
 p.add_argument("--seed", type=int); p.add_argument("--run-log"); p.add_argument("--fail-seed", type=int, default=-1)
-a = p.parse_args()
-from trainers.logs import make_header
-with open(a.run_log, "w") as f:
-    f.write(json.dumps(make_header(sys.argv, a.seed, 1)) + "\\n")
-    f.write(json.dumps({"kind": "eval", "epoch": 0, "step": 1, "top1": 0.9 + a.seed / 100}) + "\\n")
-    if a.seed == a.fail_seed:
-        sys.exit(3)  # a crash after a partial log
-    f.write(json.dumps({"kind": "end", "steps": 1, "top1": 0.9 + a.seed / 100}) + "\\n")
+p.add_argument("--trivial", type=float, default=0.5)  # the task's trivial level, as data gives it
+p.add_argument("--base", type=float, default=0.9)
+
+
+def trivial_level(records):
+    a = p.parse_args(records[0]["command"][1:])
+    return {"value": a.trivial, "how": f"majority class (fake: {a.trivial})"}
+
+
+if __name__ == "__main__":
+    a = p.parse_args()
+    from trainers.logs import make_header
+    with open(a.run_log, "w") as f:
+        f.write(json.dumps(make_header(sys.argv, a.seed, 1)) + "\\n")
+        f.write(json.dumps({"kind": "eval", "epoch": 0, "step": 1, "top1": a.base + a.seed / 100}) + "\\n")
+        if a.seed == a.fail_seed:
+            sys.exit(3)  # a crash after a partial log
+        f.write(json.dumps({"kind": "end", "steps": 1, "top1": a.base + a.seed / 100}) + "\\n")
 """
 
 
@@ -246,3 +260,115 @@ def test_a_recipe_declared_with_one_seed_is_marked_single_seed(fake_repo):
     assert entry["status"] == "single-seed" and entry["n"] == 1 and entry["std"] is None
     assert entry["claim"] == 0.85  # no spread: the documented minimum
     assert "| single-seed |" in publish.render_table({"recipes": {"one": entry}}, ["one"])
+
+
+# -- trivial levels, baselines and negative results (issue 40) ---------------------------------
+def _publish(claims, *flags, command=("scripts/fake.py",), seeds="0-2", minimum="0.5"):
+    return _run("--claims", str(claims), "run", "fake", "--seeds", seeds, "--metric", "top1",
+                "--minimum", minimum, "--description", "x", "--threads", "1", *flags,
+                "--", *command)  # fmt: skip
+
+
+def test_every_recipe_states_its_trivial_level_and_baseline(fake_repo):
+    claims = fake_repo / "logs" / "claims.json"
+    assert _publish(claims, command=("scripts/fake.py", "--trivial", "0.25")) == 0
+    entry = load_claims(claims)["recipes"]["fake"]
+    assert entry["trivial"] == {"value": 0.25, "how": "majority class (fake: 0.25)"}
+    assert entry["baseline"] is None and entry["diagnosis"] is None
+    assert _run("--claims", str(claims), "run", "other", "--seeds", "0", "--metric", "top1",
+                "--minimum", "0.6", "--min-seeds", "1", "--description", "y", "--threads", "1",
+                "--baseline", "fake", "--", "scripts/fake.py") == 0  # fmt: skip
+    recipes = load_claims(claims)["recipes"]
+    assert recipes["other"]["baseline"] == "fake"
+    table = publish.render_table({"recipes": recipes}, ["other"])
+    assert "| 50.00 % | `fake`: 91.00 % |" in table  # trivial level, the baseline's mean
+
+
+def test_a_claim_at_the_trivial_level_is_refused(fake_repo, capsys):
+    claims = fake_repo / "logs" / "claims.json"
+    # every seed at or below the level a constant predictor reaches
+    assert _publish(claims, command=("scripts/fake.py", "--trivial", "0.95")) == 2
+    err = capsys.readouterr().err
+    assert "at or below the task's trivial level 0.95" in err and "--negative" in err
+    assert not claims.exists()
+    # the seeds beat it (0.90-0.92), but the claim, mean - 3 std = 0.88, does not
+    assert _publish(claims, command=("scripts/fake.py", "--trivial", "0.89"), minimum="0.6") == 2
+    err = capsys.readouterr().err
+    assert "the claim 0.88 is at or below the task's trivial level 0.89" in err
+    assert "every seed reaches 0.9" in err
+    assert _publish(claims, command=("scripts/fake.py", "--trivial", "0.89"), minimum="0.895") == 0
+    assert _publish(claims, "--baseline", "nope") == 2
+    assert "--baseline nope: no such recipe" in capsys.readouterr().err
+
+
+def test_a_failure_is_published_as_a_negative_result_listed_apart(fake_repo):
+    claims = fake_repo / "logs" / "claims.json"
+    command = ("scripts/fake.py", "--trivial", "0.1", "--base", "0.1")  # 0.10, 0.11, 0.12
+    assert _publish(claims, command=command, minimum="0") == 2  # no silent low claim
+    assert _publish(claims, "--negative", "  ", command=command, minimum="0") == 2
+    assert _publish(claims, "--negative", "it diverges", command=command, minimum="0") == 0
+    entry = load_claims(claims)["recipes"]["fake"]
+    values = [0.10, 0.11, 0.12]
+    assert entry["status"] == "negative" and entry["diagnosis"] == "it diverges"
+    # an upper bound a rerun stays under: the failure reproduces
+    assert entry["claim"] == pytest.approx(statistics.fmean(values) + 3 * statistics.stdev(values))
+    assert claim_met(0.11, entry) and not claim_met(0.5, entry)
+    table = publish.render_table(load_claims(claims), ["fake"])
+    held, _, failed = table.partition("**Negative results**")
+    assert "`fake`" not in held and "| it diverges |" in failed
+
+
+def test_claim_met_needs_more_than_the_trivial_level_whatever_the_band():
+    entry = {"status": "published", "claim": 0.05, "trivial": {"value": 0.1, "how": "m"}}
+    assert not claim_met(0.1, entry) and at_trivial_level(0.1, entry)
+    assert claim_met(0.11, entry) and not claim_met(0.04, entry)
+    assert claim_met(0.06, {"status": "published", "claim": 0.05, "trivial": None})
+
+
+def test_majority_level_is_the_best_constant_predictor():
+    sklearn_dummy = pytest.importorskip("sklearn.dummy")
+    rng = __import__("numpy").random.default_rng(0)
+    labels = rng.integers(0, 7, size=503).tolist()
+    dummy = sklearn_dummy.DummyClassifier(strategy="most_frequent").fit([[0]] * 503, labels)
+    level = majority_level(labels, what="rows")
+    assert level["value"] == pytest.approx(dummy.score([[0]] * 503, labels), rel=1e-15)
+    assert (
+        f"{labels.count(dummy.classes_[dummy.class_prior_.argmax()])} of the 503 rows"
+        in (level["how"])
+    )
+    with pytest.raises(ValueError, match="no labels"):
+        majority_level([])
+
+
+def _log(path, seed, value, fingerprint=True):
+    header = {"kind": "header", "seed": seed, **({"fingerprint": {"x": 1}} if fingerprint else {})}
+    path.write_text(json.dumps(header) + "\n" + json.dumps({"kind": "end", "f1": value}) + "\n")
+    return path
+
+
+def test_claims_refusals(tmp_path):
+    a, b = _log(tmp_path / "a.jsonl", 0, 50.0), _log(tmp_path / "b.jsonl", 1, 52.0, False)
+    kwargs = {"metric": "f1", "source": "end", "documented_minimum": 40, "description": "d",
+              "root": tmp_path}  # fmt: skip
+    with pytest.raises(
+        ClaimsError, match="some logs .* have a machine fingerprint and some do not"
+    ):
+        make_recipe([a, b], **kwargs)
+    with pytest.raises(ClaimsError, match="trivial level is not finite"):
+        make_recipe([a], trivial={"value": float("nan"), "how": "x"}, **kwargs)
+    entry = make_recipe([a], trivial={"value": 10.0, "how": "x"}, **kwargs)
+    for field, bad in (("mean", float("nan")), ("std", float("inf")), ("claim", float("-inf"))):
+        with pytest.raises(ClaimsError, match=f"{field} is not finite"):
+            write_claims(tmp_path / "c.json", {"recipes": {"r": {**entry, field: bad}}})
+    with pytest.raises(ClaimsError, match="trivial level is not finite"):
+        write_claims(tmp_path / "c.json",
+                     {"recipes": {"r": {**entry, "trivial": {"value": float("nan"), "how": ""}}}})  # fmt: skip
+    assert not (tmp_path / "c.json").exists()  # nothing written on a refusal
+    for broken, message in (
+        ({**entry, "status": "negative"}, "only one, carries a diagnosis"),
+        ({**entry, "diagnosis": "why"}, "only one, carries a diagnosis"),
+        ({**entry, "baseline": "ghost"}, "its baseline 'ghost' is no recipe here"),
+    ):
+        (tmp_path / "c.json").write_text(json.dumps({"recipes": {"r": broken}}))
+        with pytest.raises(ClaimsError, match=message):
+            load_claims(tmp_path / "c.json")

@@ -273,12 +273,15 @@ def test_main_says_not_comparable_for_another_processor(tmp_path, capsys):
     assert "not comparable: the log was made on SomeOtherVendor" in capsys.readouterr().out
 
 
-def _claims(tmp_path, log, claim):
+def _claims(tmp_path, log, claim, *, trivial=None, diagnosis=None):
     path = tmp_path / "claims.json"
     entry = {
         "description": "fake", "metric": "loss", "source": "end", "documented_minimum": claim,
         "min_seeds": 1, "logs": [str(log.resolve())], "seeds": [0], "values": [claim], "n": 1,
-        "mean": claim, "std": None, "min": claim, "max": claim, "claim": claim, "status": "legacy",
+        "mean": claim, "std": None, "min": claim, "max": claim, "claim": claim,
+        "status": "negative" if diagnosis else "legacy", "baseline": None,
+        "trivial": None if trivial is None else {"value": trivial, "how": "majority class (x)"},
+        "diagnosis": diagnosis,
     }  # fmt: skip
     path.write_text(json.dumps({"recipes": {"fake": entry}}))
     return path
@@ -301,6 +304,26 @@ def test_full_rerun_checks_the_claim(tmp_path, capsys):
     missed = _claims(tmp_path, log, 0.5)
     assert reproduce.main([str(log), "--full", "--claims", str(missed)]) == 1
     assert "claim missed" in capsys.readouterr().err
+
+
+def test_full_rerun_at_the_trivial_level_fails_whatever_the_band(tmp_path, capsys):
+    log = _published_log(tmp_path)
+    (tmp_path / "fake_train.py").write_text(textwrap.dedent(FULL_TRAINER))
+    # loss 1/6 meets the band (>= 0.1) but a constant predictor reaches 0.2 here
+    at_trivial = _claims(tmp_path, log, 0.1, trivial=0.2)
+    assert reproduce.main([str(log), "--full", "--claims", str(at_trivial)]) == 1
+    assert "at the task's trivial level (majority class (x))" in capsys.readouterr().err
+
+
+def test_full_rerun_of_a_negative_result_checks_that_the_failure_reproduces(tmp_path, capsys):
+    log = _published_log(tmp_path)
+    (tmp_path / "fake_train.py").write_text(textwrap.dedent(FULL_TRAINER))
+    stays = _claims(tmp_path, log, 0.2, diagnosis="diverges")  # loss 1/6 stays under 0.2
+    assert reproduce.main([str(log), "--full", "--claims", str(stays)]) == 0
+    assert "negative result reproduced" in capsys.readouterr().out
+    fixed = _claims(tmp_path, log, 0.1, diagnosis="diverges")  # 1/6 > 0.1: it learns now
+    assert reproduce.main([str(log), "--full", "--claims", str(fixed)]) == 1
+    assert "negative result NOT reproduced" in capsys.readouterr().err
 
 
 def test_full_rerun_on_a_machine_that_cannot_compare_exits_4_when_the_claim_holds(tmp_path, capsys):
