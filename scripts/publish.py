@@ -43,6 +43,7 @@ import argparse
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -141,7 +142,14 @@ def seed_command(
     return [python, *(launcher if nproc > 1 else []), command[0], *args]
 
 
+def _terminate_as_exit(signum: int, _frame: Any) -> None:
+    """SIGTERM (a killed job, a scheduler's stop) unwinds like an error, so that a seed's
+    partial log is removed and the log it was replacing comes back."""
+    raise SystemExit(128 + signum)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _terminate_as_exit)
     if args.native and args.portable:
         raise SystemExit("--native and --portable contradict: --native runs unpinned kernels")
     out_dir = Path(args.out_dir) if args.out_dir else REPO_ROOT / "logs" / args.recipe

@@ -96,6 +96,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--seed", type=int); p.add_argument("--run-log"); p.add_argument("--fail-seed", type=int, default=-1)
 p.add_argument("--trivial", type=float, default=0.5)  # the task's trivial level, as data gives it
 p.add_argument("--base", type=float, default=0.9)
+p.add_argument("--hang", action="store_true")  # write part of the log, then wait to be killed
 
 
 def trivial_level(records):
@@ -109,6 +110,10 @@ if __name__ == "__main__":
     with open(a.run_log, "w") as f:
         f.write(json.dumps(make_header(sys.argv, a.seed, 1)) + "\\n")
         f.write(json.dumps({"kind": "eval", "epoch": 0, "step": 1, "top1": a.base + a.seed / 100}) + "\\n")
+        f.flush()
+        if a.hang:
+            import time
+            time.sleep(120)
         if a.seed == a.fail_seed:
             sys.exit(3)  # a crash after a partial log
         f.write(json.dumps({"kind": "end", "steps": 1, "top1": a.base + a.seed / 100}) + "\\n")
@@ -372,3 +377,36 @@ def test_claims_refusals(tmp_path):
         (tmp_path / "c.json").write_text(json.dumps({"recipes": {"r": broken}}))
         with pytest.raises(ClaimsError, match=message):
             load_claims(tmp_path / "c.json")
+
+
+def test_a_terminated_publication_leaves_no_partial_log(fake_repo):
+    """SIGTERM (a killed job) unwinds like a failure: the partial log goes, the old one comes
+    back."""
+    import os
+    import signal
+    import threading
+
+    claims = fake_repo / "logs" / "claims.json"
+    assert _publish(claims, seeds="0", minimum="0.6") == 0
+    before = (fake_repo / "logs/fake/seed0.jsonl").read_text()
+    partial = fake_repo / "logs/fake/seed0.jsonl"
+    old = signal.getsignal(signal.SIGTERM)
+
+    def kill_when_the_log_is_partial():
+        for _ in range(300):
+            if partial.is_file() and partial.read_text() != before and partial.stat().st_size:
+                break
+            threading.Event().wait(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    killer = threading.Thread(target=kill_when_the_log_is_partial)
+    killer.start()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            _publish(claims, seeds="0", minimum="0.6", command=("scripts/fake.py", "--hang"))
+    finally:
+        killer.join()
+        signal.signal(signal.SIGTERM, old)
+    assert exit_info.value.code == 128 + signal.SIGTERM
+    assert partial.read_text() == before
+    assert not list((fake_repo / "logs/fake").glob(".*"))

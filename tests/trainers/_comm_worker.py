@@ -36,7 +36,9 @@ from trainers.comm import (
     SlowMoCombiner,
     TopK,
     compressed_allreduce,
+    create_combiner,
 )
+from trainers.comm.compressors import Importance, RandomBlock
 from trainers.data import ShardedSampler
 
 N, BATCH, EPOCHS, SEED = 48, 4, 2, 5  # 2 ranks x 4 = global batch 8: 12 steps
@@ -330,6 +332,21 @@ def main(out: Path) -> None:
                 ("localsgd", LocalSGDCombiner(period=8), 0.9, 0.05),
                 ("slowmo", SlowMoCombiner(period=3, slow_period=12), 0.9, 0.05),
                 ("local-adaalter", LocalAdaAlterCombiner(period=8), 0.0, 0.5),
+                ("fp16", create_combiner("fp16"), 0.9, 0.05),
+                (
+                    "ef-importance",
+                    ErrorFeedbackCombiner(compressor=Importance(ratio=0.05)),
+                    0.9,
+                    0.05,
+                ),
+                # random-block EF learns with the authors' EF learning rate (0.01), not at 0.05
+                # (at chance: digits_comm_ef_randblock_4proc, a negative result)
+                (
+                    "ef-randblock",
+                    ErrorFeedbackCombiner(compressor=RandomBlock(ratio=0.125)),
+                    0.9,
+                    0.01,
+                ),
             )
         }
         torch.save(res, out / f"rank{rank}.pt")

@@ -140,8 +140,12 @@ def test_topk_pairs_are_summed_exactly_by_every_sparse_algorithm(ranks):
 
 
 # Held-out top-1 of a 64-64-10 MLP on scikit-learn's digits after 6 epochs on 2 ranks (plain
-# SGD averaging reaches ~0.96 with this recipe; see test_adasum.py).
+# SGD averaging reaches ~0.96 with this recipe; see test_adasum.py); one class for every image
+# scores 0.10. Every mode whose published recipe claims to learn is here. DEF is not: it is a
+# published negative result (docs/communication.md; on this MLP too it ends near 0.4).
 DIGITS_ACCURACY = 0.9
+# modes that learn more slowly at this budget (measured: 0.897 and 0.842 on an AMD EPYC)
+SLOWER = {"ef-importance": 0.85, "ef-randblock": 0.8}
 
 
 @pytest.mark.parametrize(
@@ -156,8 +160,11 @@ DIGITS_ACCURACY = 0.9
         "localsgd",
         "slowmo",
         "local-adaalter",
+        "fp16",
+        "ef-importance",
+        "ef-randblock",
     ],
 )
 def test_every_mode_learns_the_digits(ranks, mode):
     assert ranks[0]["digits"][mode] == ranks[1]["digits"][mode]
-    assert ranks[0]["digits"][mode] >= DIGITS_ACCURACY, ranks[0]["digits"]
+    assert ranks[0]["digits"][mode] >= SLOWER.get(mode, DIGITS_ACCURACY), ranks[0]["digits"]
