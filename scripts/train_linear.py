@@ -22,8 +22,9 @@ last rank). ``--solver sgd --grad-combine allreduce|average|symsgd`` partitions 
 instead (:mod:`trainers.linear.rowparallel`): every rank holds the whole weight vector, a
 round is ``N * --round-batches`` mini-batches, and the workers' contributions are combined by
 a sparse all-reduce of the gradients, by model averaging, or by SymSGD's sound combiner.
-``--sa-batches K`` feeds L-BFGS the training rows in K batches with the statistically
-adjusted objective of :mod:`trainers.linear.lbfgs`. The run log
+``--arriving-batches K`` feeds L-BFGS the training rows in K batches and re-fits it on every
+batch so far after each (:class:`trainers.linear.CumulativeBatchLBFGS`; the old spellings
+``--sa-batches``/``--sa-decay`` still work). The run log
 (``--run-log``) has a ``step`` record per iteration or mini-batch round, an ``epoch`` and an
 ``eval`` record per epoch (L-BFGS: per arriving batch) and an ``end`` record with the final
 test metrics; ``scripts/reproduce.py`` reruns it.
@@ -75,13 +76,13 @@ from trainers.comm.sparse import ALGORITHMS as SPARSE_ALGORITHMS
 from trainers.linear import (
     COMBINERS,
     CURVATURES,
+    CumulativeBatchLBFGS,
     ElasticStateMismatch,
     FeaturePartitionedSGD,
     LBFGSConfig,
     LinearElastic,
     Messenger,
     RowParallelSGD,
-    StatisticallyAdjustedLBFGS,
     column_blocks,
     epoch_batches,
     gather_rows,
@@ -120,8 +121,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--history-size", type=int, default=10, help="lbfgs: curvature pairs")
     m.add_argument("--iterations", type=int, default=100, help="lbfgs: iterations (per batch)")
     m.add_argument("--no-line-search", action="store_true", help="lbfgs: fixed step --lr")
-    m.add_argument("--sa-batches", type=int, default=1, help="lbfgs: data arrives in K batches")
-    m.add_argument("--sa-decay", type=float, default=1.0, help="lbfgs: old-batch weight per batch")
+    # dest sa_*: the key in published run-log headers and saved elastic identities; the
+    # --sa-* spellings are deprecated (the method is not SA L-BFGS: trainers.linear.lbfgs)
+    m.add_argument("--arriving-batches", "--sa-batches", dest="sa_batches", type=int, default=1,
+                   metavar="K", help="lbfgs: the rows arrive in K batches; after each, re-fit "
+                   "on all the rows so far (--sa-batches: deprecated)")  # fmt: skip
+    m.add_argument("--arriving-decay", "--sa-decay", dest="sa_decay", type=float, default=1.0,
+                   metavar="GAMMA", help="lbfgs: per-example weight of a batch per later batch, "
+                   "in (0, 1] (--sa-decay: deprecated)")  # fmt: skip
     m.add_argument("--s-steps", "--s", dest="s", type=int, default=4,
                    help="casgd: mini-batches per all-reduce (under torchrun spell it --s-steps: "
                    "torchrun's own parser reads --s as an abbreviation of its options)")  # fmt: skip
@@ -177,13 +184,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--s-steps must be at least 1, got {args.s}")
     for flag in ("batch_size", "num_epochs", "iterations", "sa_batches", "history_size"):
         if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+            p.error(f"{p.flag_of(flag)} must be at least 1, got {getattr(args, flag)}")
     if args.max_steps is not None and args.max_steps < 1:
         p.error(f"--max-steps must be positive, got {args.max_steps}")
     if not 0.0 < args.test_fraction < 1.0:
         p.error(f"--test-fraction must be in (0, 1), got {args.test_fraction}")
     if args.solver != "lbfgs" and args.sa_batches > 1:
-        p.error("--sa-batches is an L-BFGS option; use --solver lbfgs")
+        p.error("--arriving-batches/--sa-batches is an L-BFGS option; use --solver lbfgs")
     _check_row_parallel(p, args)
     if args.lr is None:
         args.lr = 1.0 if args.solver == "lbfgs" else 0.1
@@ -337,7 +344,8 @@ def train_lbfgs(
     elastic: LinearElastic | None = None,
     resume: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Data-parallel (statistically adjusted) L-BFGS; the ``end`` record's metrics.
+    """Data-parallel L-BFGS, re-fit on all the rows so far as each of ``--arriving-batches``
+    arrives (one batch: plain L-BFGS); the ``end`` record's metrics.
 
     With ``elastic``: saves every ``checkpoint_steps`` iterations and after each arriving
     batch; ``resume`` (a saved state, any world size) continues where it was saved.
@@ -348,8 +356,8 @@ def train_lbfgs(
     messenger = Messenger(latency=args.latency_ms / 1000)
     config = LBFGSConfig(lr=args.lr, history_size=args.history_size,
                          line_search=None if args.no_line_search else "strong_wolfe")  # fmt: skip
-    sa = StatisticallyAdjustedLBFGS(model, penalty=lambda: model.penalty(args.wd),
-                                    decay=args.sa_decay, config=config, messenger=messenger)  # fmt: skip
+    cumulative = CumulativeBatchLBFGS(model, penalty=lambda: model.penalty(args.wd),
+                              decay=args.sa_decay, config=config, messenger=messenger)  # fmt: skip
     budget = args.max_steps if args.max_steps is not None else math.inf
     step, start = 0, time.perf_counter()
     arrivals = torch.linspace(0, n, args.sa_batches + 1).round().long().tolist()
@@ -363,14 +371,15 @@ def train_lbfgs(
 
     def save(batch: int, iteration: int, in_batch: bool) -> None:
         assert elastic is not None
-        elastic.save({"solver": sa.state_dict(), "batch": batch, "iteration": iteration,
+        elastic.save({"solver": cumulative.state_dict(), "batch": batch, "iteration": iteration,
                       "in_batch": in_batch, "epochs": epochs, "loss_value": loss_value,
                       "messages": messenger.messages, "bytes": messenger.bytes}, step=step)  # fmt: skip
 
     epochs, first_batch, first_iteration, in_batch = 0, 0, 0, False
     loss_value = math.nan
     if resume is not None:  # the arrived batches, re-sharded over this world
-        sa.load_state_dict(resume["solver"], [shard(j) for j in range(resume["solver"]["arrived"])])
+        arrived = int(resume["solver"]["arrived"])
+        cumulative.load_state_dict(resume["solver"], [shard(j) for j in range(arrived)])
         messenger.messages, messenger.bytes = int(resume["messages"]), int(resume["bytes"])
         step, epochs, loss_value = int(resume["step"]), int(resume["epochs"]), resume["loss_value"]
         first_batch, first_iteration = int(resume["batch"]), int(resume["iteration"])
@@ -382,12 +391,12 @@ def train_lbfgs(
         hi = arrivals[k + 1]  # the k-th arriving batch, sharded over ranks
         t0, it0 = time.perf_counter(), 0
         if resumed:
-            solver = sa.solver
+            solver = cumulative.solver
             assert solver is not None
             it0 = args.iterations if solver.converged else first_iteration
         else:
-            sa.add_batch(*shard(k))
-            solver = sa.solver
+            cumulative.add_batch(*shard(k))
+            solver = cumulative.solver
             assert solver is not None
             loss_value = solver.evaluate()
         for it in range(it0, args.iterations):

@@ -18,11 +18,11 @@ import torch
 from modelzoo.linear import LOSSES, build_linear_model, load_bundled
 from trainers import DistEnv
 from trainers.linear import (
+    CumulativeBatchLBFGS,
     DataParallelLBFGS,
     FeaturePartitionedSGD,
     LBFGSConfig,
     Messenger,
-    StatisticallyAdjustedLBFGS,
     column_blocks,
     epoch_batches,
 )
@@ -97,7 +97,7 @@ def sa_stages(rank: int, world: int, decay: float = 0.5) -> torch.Tensor:
     """Statistically adjusted L-BFGS on the stream: the weights after each batch."""
     X, y, l2 = stream_batches()
     model = build_linear_model("squared", X[0].shape[1], dtype=torch.float64)
-    sa = StatisticallyAdjustedLBFGS(
+    sa = CumulativeBatchLBFGS(
         model, penalty=lambda: model.penalty(l2), decay=decay,
         config=LBFGSConfig(tolerance_grad=1e-12, tolerance_change=1e-15),
     )  # fmt: skip

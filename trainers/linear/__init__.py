@@ -1,7 +1,8 @@
 """Solvers for linear models at scale (they take tensors and loss callables; no modelzoo).
 
 * :mod:`.lbfgs`: data-parallel L-BFGS (one all-reduce of ``[loss, gradient]`` per
-  evaluation) and the statistically adjusted variant for data arriving in batches;
+  evaluation) and, for data arriving in batches, L-BFGS re-fit on every batch so far
+  (``CumulativeBatchLBFGS``; ``StatisticallyAdjustedLBFGS`` is its deprecated old name);
 * :mod:`.casgd`: feature-partitioned SGD and communication-avoiding s-step SGD (CA-SGD), in
   fp64/fp32 and mixed precision;
 * :mod:`.rowparallel`: row-partitioned (data-parallel) SGD with three combiners: sparse
@@ -10,9 +11,12 @@
 * :mod:`.elastic`: their durable state for elastic restarts (``train_linear.py --elastic-dir``).
 """
 
+import warnings
+from typing import Any
+
 from .casgd import PRECISIONS, FeaturePartitionedSGD, column_blocks, epoch_batches
 from .elastic import ElasticStateMismatch, LinearElastic, gather_rows
-from .lbfgs import DataParallelLBFGS, LBFGSConfig, StatisticallyAdjustedLBFGS
+from .lbfgs import _RENAMED, CumulativeBatchLBFGS, DataParallelLBFGS, LBFGSConfig
 from .messages import Messenger
 from .rowparallel import (
     COMBINERS,
@@ -27,6 +31,7 @@ __all__ = [
     "COMBINERS",
     "CURVATURES",
     "PRECISIONS",
+    "CumulativeBatchLBFGS",
     "DataParallelLBFGS",
     "ElasticStateMismatch",
     "FeaturePartitionedSGD",
@@ -34,7 +39,6 @@ __all__ = [
     "LinearElastic",
     "Messenger",
     "RowParallelSGD",
-    "StatisticallyAdjustedLBFGS",
     "column_blocks",
     "epoch_batches",
     "gather_rows",
@@ -42,3 +46,10 @@ __all__ = [
     "round_partition",
     "sound_combine",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "StatisticallyAdjustedLBFGS":  # the deprecated old name
+        warnings.warn(_RENAMED, DeprecationWarning, stacklevel=2)
+        return CumulativeBatchLBFGS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

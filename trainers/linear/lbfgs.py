@@ -1,4 +1,4 @@
-"""Data-parallel L-BFGS, and its statistically adjusted variant for data arriving in batches.
+"""Data-parallel L-BFGS, and L-BFGS re-fit on all the data so far as batches arrive.
 
 Every rank holds a shard of the examples. One evaluation of the objective
 
@@ -18,27 +18,33 @@ step and curvature pairs persist between calls). Its first evaluation is at the 
 previous iteration's line search ended on; the last evaluation is cached, so it costs no
 message.
 
-**Statistically adjusted updates** (:class:`StatisticallyAdjustedLBFGS`). SA L-BFGS (Purpura
-et al., "Statistically adaptive learning for a general class of cost functions (SA
-L-BFGS)", arXiv:1209.0029) keeps batch L-BFGS near real time as data arrives by balancing
-"previous weights, old training examples and new training examples". The paper's exact
-rule could not be read here (no offline copy); what is implemented is our reading, stated
-exactly: when batch ``k`` arrives (``n_k`` examples over all ranks),
+**Batches arriving over time** (:class:`CumulativeBatchLBFGS`): a multi-batch L-BFGS with
+full re-evaluation. When batch ``k`` arrives (``n_k`` examples over all ranks) the objective
+becomes
 
 .. math::
     F_k(w) = \\frac{\\sum_{j \\le k} \\gamma^{k-j} L_j(w)}{\\sum_{j \\le k} \\gamma^{k-j} n_j} + R(w)
 
-where ``L_j`` is the loss sum over batch ``j``: old and new examples weighted by their counts
-(``decay`` ``γ = 1``: every example seen so far counts once, so ``F_k`` is the batch objective
-on all data so far; ``γ < 1`` forgets old batches geometrically). The previous weights are
-the warm start, and the L-BFGS curvature pairs of the earlier objectives are kept (the one
-pair that would straddle the change of objective is skipped), so a few iterations per batch
-suffice. Each rank keeps its own shards of the old batches.
+where ``L_j`` is the loss sum over batch ``j`` (``decay`` ``γ = 1``: every example seen so
+far counts once, so ``F_k`` is the batch objective on all data so far; ``γ < 1`` forgets old
+batches geometrically). The previous weights are the warm start and the L-BFGS curvature
+pairs of the earlier objectives are kept (the one pair that would straddle the change of
+objective is skipped). Every evaluation of ``F_k`` reads every batch that has arrived, once:
+each rank keeps its shards of all of them, and the cost of an iteration grows with the data
+seen so far.
+
+This is **not** SA L-BFGS (Purpura et al., "Statistically adaptive learning for a general
+class of cost functions (SA L-BFGS)", arXiv:1209.0029), which makes batch L-BFGS near real
+time by using "statistical tools to balance the contributions of previous weights, old
+training examples, and new training examples". Only the paper's abstract could be read here,
+not its update rule, so that method is not implemented; the class was called
+``StatisticallyAdjustedLBFGS`` before, a name kept as a deprecated alias.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +54,7 @@ from torch import nn
 
 from .messages import Messenger
 
-__all__ = ["DataParallelLBFGS", "LBFGSConfig", "StatisticallyAdjustedLBFGS"]
+__all__ = ["CumulativeBatchLBFGS", "DataParallelLBFGS", "LBFGSConfig"]
 
 
 @dataclass(frozen=True)
@@ -285,9 +291,15 @@ class DataParallelLBFGS:
         return loss
 
 
-class StatisticallyAdjustedLBFGS:
-    """L-BFGS over batches that arrive one at a time (our reading of SA L-BFGS; see the
-    module docstring for the exact objective).
+class CumulativeBatchLBFGS:
+    """L-BFGS over batches that arrive one at a time, re-fit on every batch so far.
+
+    After :meth:`add_batch` of batch ``k`` the solver minimises ``F_k`` of the module
+    docstring: the count-weighted mean loss over batches ``0..k`` (batch ``j`` weighted by
+    ``decay ** (k - j)`` per example) plus the penalty, warm-started at the previous weights
+    with the curvature pairs kept. Each evaluation calls ``model.loss_sum`` once on every
+    arrived batch (full re-evaluation, not an incremental update): with ``decay=1`` the
+    objective after the last batch is the batch objective on all the data.
 
     Args:
         model: a module with ``loss_sum(X, y)`` (a :class:`modelzoo.linear.GLM`, or any).
@@ -386,3 +398,16 @@ class StatisticallyAdjustedLBFGS:
     ) -> list[float]:
         """Every batch in turn; the objective after each batch."""
         return [self.fit_batch(X, y, iterations) for X, y in batches]
+
+
+_RENAMED = (
+    "StatisticallyAdjustedLBFGS is renamed CumulativeBatchLBFGS (it re-evaluates every arrived "
+    "batch; it is not SA L-BFGS): import CumulativeBatchLBFGS"
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "StatisticallyAdjustedLBFGS":  # the deprecated old name
+        warnings.warn(_RENAMED, DeprecationWarning, stacklevel=2)
+        return CumulativeBatchLBFGS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
