@@ -10,9 +10,16 @@ arrives from ``(i - 2^(k mod L)) mod n``::
     x_i <- x_i - lr * update(grad F(z_i))    # the optimizer's step (momentum stays local)
     x_i <- x_i / 2 + x_in / 2,  w_i <- w_i / 2 + w_in / 2
 
-The model's parameters hold ``z_i`` between steps (what evaluation and checkpoints see);
-the optimizer steps on ``x_i = z_i w_i``. Floating-point buffers (BatchNorm statistics)
-are gossiped the same way. On this graph every rank has one in- and one out-neighbour, so
+The model's parameters hold ``z_i`` between steps (what evaluation and checkpoints see).
+The optimizer steps them from ``z_i``, so everything it computes from the parameters
+(weight decay, a LARS/LAMB trust ratio) sees the de-biased model, as in the paper's
+Algorithm 1 where the gradient of a loss with an L2 term is taken at ``z_i``; its update
+``u = z_i' - z_i`` is then added to the numerator, ``x_i <- w_i z_i + u``. (The authors'
+code instead runs ``torch.optim.SGD`` on the numerators when overlapping, which decays
+``x_i`` rather than ``z_i``; without overlap ``w_i = 1`` and the two agree.) Floating-point
+buffers (BatchNorm running statistics) are gossiped like the parameters (push-sum on
+``w_i b_i``); the integer ``num_batches_tracked`` stays local (it counts the same steps on
+every rank). On this graph every rank has one in- and one out-neighbour, so
 with messages applied at once the mixing is doubly stochastic and ``w_i`` stays 1; with
 ``n = 2^m`` ranks and no gradient, ``m`` consecutive rounds give every rank the exact
 average (the product of the mixing matrices is ``11^T / n``); with ``n = 2`` every step is
@@ -146,12 +153,15 @@ class SGPCombiner(GradCombiner):
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+        """The optimizer's update, computed at ``z`` (its weight decay acts on ``z``, as the
+        paper's ``grad F_i(z_i)`` of a loss with an L2 term), added to ``x = w z``; then gossip."""
         assert self.env is not None
-        if self.weight != 1.0:  # z -> x: the optimizer steps the numerator
-            for t in self._tensors():
-                t.mul_(self.weight)
-        super().step(optimizer, scaler)
-        flat = flatten(self._tensors())  # x after the local step
+        tensors = self._tensors()
+        z = flatten(tensors) if self.weight != 1.0 else None  # w = 1 (no overlap): x is z
+        super().step(optimizer, scaler)  # z + u: the parameters held z
+        flat = flatten(tensors)
+        if z is not None:  # x + u = w z + (z + u - z)
+            flat.add_(z, alpha=self.weight - 1.0)
         message = torch.cat([flat, flat.new_tensor([self.weight])])
         if self.env.distributed:
             self._gossip(message)
