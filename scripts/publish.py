@@ -18,8 +18,9 @@ Usage::
     # a method that fails here: a negative result, with its diagnosis, beside its plain baseline
     python scripts/publish.py run digits_x --seeds 0-2 --metric top1 --minimum 0 \
         --baseline digits_resnest14 --negative "at chance: ..." -- scripts/train_imagenet.py ...
-    python scripts/publish.py docs     # regenerate the claims tables in docs/ from claims.json
-    python scripts/publish.py check    # claims.json and the docs tables agree with the logs
+    python scripts/publish.py docs     # regenerate the claims tables and markers from claims.json
+    python scripts/publish.py docs --check  # only list the out-of-date tables and markers
+    python scripts/publish.py check    # claims.json, the docs tables and markers agree with the logs
 
 Each recipe states its task's trivial level, computed from the data by the training
 script's ``trivial_level(records)`` (majority class, best constant masked-LM prediction, the
@@ -34,7 +35,12 @@ count (``--threads``, default 2), which its header's fingerprint records; that i
 was replacing is put back).
 
 Docs tables: a block ``<!-- claims: name1 name2 -->`` ... ``<!-- /claims -->`` in any file
-of ``docs/`` is replaced by a table of those recipes (mean +- std over n seeds, min, claim).
+of ``docs/`` (or README.md) is replaced by a table of those recipes (mean +- std over n seeds,
+min, claim). Inline markers: ``<!--claim RECIPE FIELD-->TEXT<!--/claim-->`` in their prose
+has TEXT set to that field of the recipe, formatted as the tables format it (MARKER_FIELDS:
+mean, std, mean±std, min, max, range, n, claim, minimum, trivial, values), so that no number quoted
+from ``logs/claims.json`` is written by hand; ``docs --check`` and ``check`` name every
+out-of-date marker by file, line, recipe and field.
 """
 
 from __future__ import annotations
@@ -279,10 +285,15 @@ def cmd_add(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fmt(value: float | None, percent: bool) -> str:
+def _fmt(value: float | None, percent: bool, unit: bool = True) -> str:
+    """A claims value as the docs show it, tables and inline markers alike: a fraction
+    (accuracy) in percent with two decimals ("98.79 %"; ``unit=False``: "98.79"), any other
+    metric (F1, EM) as it is with two decimals ("90.15"); "-" for none."""
     if value is None:
         return "-"
-    return f"{100 * value:.2f} %" if percent else f"{value:.2f}"
+    if percent:
+        return f"{100 * value:.2f}" + (" %" if unit else "")
+    return f"{value:.2f}"
 
 
 def _is_fraction(entry: dict[str, Any]) -> bool:
@@ -292,10 +303,22 @@ def _is_fraction(entry: dict[str, Any]) -> bool:
     return bool(values) and all(abs(v) <= 1.5 for v in values)
 
 
-def _spread(e: dict[str, Any], pct: bool) -> str:
+def _mean_std(e: dict[str, Any], pct: bool) -> str:
+    """The mean and standard deviation, "98.79 % ± 0.32 %" (the mean alone for one seed)."""
     if e["std"] is None:
-        return f"{_fmt(e['mean'], pct)} ({e['n']})"
-    return f"{_fmt(e['mean'], pct)} ± {_fmt(e['std'], pct)} ({e['n']})"
+        return _fmt(e["mean"], pct)
+    return f"{_fmt(e['mean'], pct)} ± {_fmt(e['std'], pct)}"
+
+
+def _range(e: dict[str, Any], pct: bool) -> str:
+    """The seeds' min to max, "9.75-10.03 %" (one value when they agree)."""
+    if e["min"] == e["max"]:
+        return _fmt(e["min"], pct)
+    return f"{_fmt(e['min'], pct, unit=False)}-{_fmt(e['max'], pct)}"
+
+
+def _spread(e: dict[str, Any], pct: bool) -> str:
+    return f"{_mean_std(e, pct)} ({e['n']})"
 
 
 def _baseline(claims: dict[str, Any], e: dict[str, Any], pct: bool) -> str:
@@ -349,28 +372,169 @@ def render_table(claims: dict[str, Any], names: Sequence[str]) -> str:
     return "\n".join(parts)
 
 
-def render_docs(claims: dict[str, Any], docs: Path = DOCS) -> dict[Path, str]:
-    """``{file: new text}`` for every docs file whose claims blocks are out of date."""
-    changed = {}
-    for path in sorted(docs.rglob("*.md")):
-        text = path.read_text(encoding="utf-8")
-        new = BLOCK.sub(
-            lambda m: m.group(1) + render_table(claims, m.group(2).split()) + m.group(4), text
+# Inline markers: ``<!--claim RECIPE FIELD-->TEXT<!--/claim-->`` in the prose of docs/*.md and
+# README.md; ``publish.py docs`` rewrites TEXT from claims.json (HTML comments: invisible once
+# rendered). One line each; markers inside code (a fenced block, a `span`) are text, not markers.
+MARKER = re.compile(r"<!--claim ([^\s<>]+) ([^\s<>]+)-->(.*?)<!--/claim-->")
+MARKER_PART = re.compile(r"<!--\s*/?\s*claim\b")
+MARKER_FIELDS: dict[str, Any] = {
+    "mean": lambda e, pct: _fmt(e["mean"], pct),
+    "std": lambda e, pct: _fmt(e["std"], pct),
+    "mean±std": _mean_std,
+    "min": lambda e, pct: _fmt(e["min"], pct),
+    "max": lambda e, pct: _fmt(e["max"], pct),
+    "range": _range,
+    "n": lambda e, pct: str(e["n"]),
+    "claim": lambda e, pct: _fmt(e["claim"], pct),
+    "minimum": lambda e, pct: _fmt(e["documented_minimum"], pct),
+    "trivial": lambda e, pct: _fmt((e.get("trivial") or {}).get("value"), pct),
+    "values": lambda e, pct: ", ".join(_fmt(v, pct) for v in e["values"]),
+}
+
+
+def claim_text(claims: dict[str, Any], name: str, field: str) -> str:
+    """What an inline marker ``<!--claim NAME FIELD-->`` shows (MARKER_FIELDS), formatted as
+    the tables format the recipe's metric.
+
+    Raises:
+        ClaimsError: an unknown recipe or field.
+    """
+    if name not in claims["recipes"]:
+        raise ClaimsError(f"recipe {name!r}, which logs/claims.json does not list")
+    if field not in MARKER_FIELDS:
+        raise ClaimsError(
+            f"field {field!r} of {name}: a marker shows one of {', '.join(MARKER_FIELDS)}"
         )
+    entry = claims["recipes"][name]
+    return MARKER_FIELDS[field](entry, _is_fraction(entry))
+
+
+def _code_spans(line: str) -> list[tuple[int, int]]:
+    """The ``(start, end)`` of each `code span` of a line."""
+    ticks = [i for i, ch in enumerate(line) if ch == "`"]
+    return [(ticks[i], ticks[i + 1]) for i in range(0, len(ticks) - 1, 2)]
+
+
+def markers(text: str, where: str = "<text>") -> list[tuple[int, re.Match[str], int]]:
+    """Every inline marker of a document: ``(line number, match, offset of its line)``, code
+    left out.
+
+    Raises:
+        ClaimsError: a marker that does not close on its line, or is malformed.
+    """
+    found = []
+    fenced = False
+    offset = 0
+    for number, line in enumerate(text.splitlines(keepends=True), 1):
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        elif not fenced:
+            spans = _code_spans(line)
+            covered = []
+            for m in MARKER.finditer(line):
+                if not any(a < m.start() < b for a, b in spans):
+                    found.append((number, m, offset))
+                    covered.append((m.start(), m.end()))
+            for part in MARKER_PART.finditer(line):
+                inside = any(a <= part.start() < b for a, b in covered)
+                if not inside and not any(a < part.start() < b for a, b in spans):
+                    raise ClaimsError(
+                        f"{where}:{number}: a malformed claim marker (expected "
+                        "<!--claim RECIPE FIELD-->TEXT<!--/claim--> on one line)"
+                    )
+        offset += len(line)
+    return found
+
+
+def render_markers(claims: dict[str, Any], text: str, where: str = "<text>") -> str:
+    """``text`` with every inline marker's TEXT set from ``claims``."""
+    parts, last = [], 0
+    for number, m, offset in markers(text, where):
+        try:
+            shown = claim_text(claims, m.group(1), m.group(2))
+        except ClaimsError as e:
+            raise ClaimsError(f"{where}:{number}: marker names {e}") from None
+        start, end = offset + m.start(3), offset + m.end(3)
+        parts += [text[last:start], shown]
+        last = end
+    return "".join(parts) + text[last:]
+
+
+def doc_files(docs: Path | None = None, readme: Path | None = None) -> list[Path]:
+    """The documents with claims: ``docs/**/*.md`` (default: the repository's) and the README
+    beside ``docs/``."""
+    docs = DOCS if docs is None else docs
+    readme = docs.parent / "README.md" if readme is None else readme
+    return sorted(docs.rglob("*.md")) + ([readme] if readme.is_file() else [])
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
+def _render_tables(claims: dict[str, Any], text: str) -> str:
+    return BLOCK.sub(
+        lambda m: m.group(1) + render_table(claims, m.group(2).split()) + m.group(4), text
+    )
+
+
+def render_docs(
+    claims: dict[str, Any], docs: Path | None = None, readme: Path | None = None
+) -> dict[Path, str]:
+    """``{file: new text}`` for every document whose claims tables or inline markers are out
+    of date."""
+    changed = {}
+    for path in doc_files(docs, readme):
+        text = path.read_text(encoding="utf-8")
+        new = render_markers(claims, _render_tables(claims, text), _shown(path))
         if new != text:
             changed[path] = new
     return changed
 
 
+def doc_problems(
+    claims: dict[str, Any], docs: Path | None = None, readme: Path | None = None
+) -> list[str]:
+    """Every claims table and inline marker of the documents that differs from ``claims``,
+    one line each (a marker's: file:line, recipe, field, its text and the claims' text)."""
+    problems = []
+    for path in doc_files(docs, readme):
+        text = path.read_text(encoding="utf-8")
+        if _render_tables(claims, text) != text:
+            problems.append(
+                f"{_shown(path)}: claims tables out of date (run scripts/publish.py docs)"
+            )
+        for number, m, _ in markers(text, _shown(path)):
+            name, field, old = m.groups()
+            try:
+                new = claim_text(claims, name, field)
+            except ClaimsError as e:
+                raise ClaimsError(f"{_shown(path)}:{number}: marker names {e}") from None
+            if new != old:
+                problems.append(
+                    f"{_shown(path)}:{number}: {name} {field}: the marker reads {old!r}, "
+                    f"logs/claims.json gives {new!r} (run scripts/publish.py docs)"
+                )
+    return problems
+
+
 def cmd_docs(args: argparse.Namespace) -> int:
-    for path, text in render_docs(load_claims(args.claims)).items():
+    claims = load_claims(args.claims)
+    if args.check:
+        problems = doc_problems(claims)
+        for line in problems:
+            print(line, file=sys.stderr)
+        print("docs: ok" if not problems else f"docs: {len(problems)} problem(s)")
+        return 1 if problems else 0
+    for path, text in render_docs(claims).items():
         atomic_write_text(path, text)
-        print(f"updated {path.relative_to(REPO_ROOT)}")
+        print(f"updated {_shown(path)}")
     return 0
 
 
-def check(claims_path: Path = CLAIMS, docs: Path = DOCS) -> list[str]:
-    """Every disagreement between claims.json, the logs and the docs tables (empty: none)."""
+def check(claims_path: Path = CLAIMS, docs: Path | None = None) -> list[str]:
+    """Every disagreement between claims.json, the logs and the docs (its tables and inline
+    markers; empty: none)."""
     problems = []
     claims = load_claims(claims_path)
     for name, entry in claims["recipes"].items():
@@ -389,9 +553,7 @@ def check(claims_path: Path = CLAIMS, docs: Path = DOCS) -> list[str]:
         for field, value in fresh.items():
             if entry.get(field) != value:
                 problems.append(f"{name}: {field} is {entry.get(field)!r}, the logs give {value!r}")
-    for path in render_docs(claims, docs):
-        problems.append(f"{path}: claims tables out of date (run scripts/publish.py docs)")
-    return problems
+    return problems + doc_problems(claims, docs)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -452,8 +614,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             metavar="DIAGNOSIS",
             help="publish a failure as a negative result, saying why it fails",
         )
-    sub.add_parser("docs", help="regenerate the claims tables in docs/")
-    sub.add_parser("check", help="claims file and docs tables agree with the logs")
+    d = sub.add_parser(
+        "docs", help="regenerate the claims tables and inline claim markers in docs/ and README.md"
+    )
+    d.add_argument("--check", action="store_true",
+                   help="change nothing; list every out-of-date table or marker (exit 1)")  # fmt: skip
+    sub.add_parser("check", help="claims file, docs tables and markers agree with the logs")
     args = p.parse_args(argv)
     args.command = command
     try:

@@ -224,12 +224,15 @@ def test_check_finds_a_tampered_claim_and_a_stale_docs_table(fake_repo, tmp_path
     docs.mkdir()
     (docs / "page.md").write_text(
         "before\n<!-- claims: fake -->\nold table\n<!-- /claims -->\nafter\n"
+        "It ends at <!--claim fake mean-->90 %<!--/claim-->.\n"
     )
     monkey_docs = publish.render_docs(load_claims(claims), docs)
     assert list(monkey_docs) == [docs / "page.md"]
     text = monkey_docs[docs / "page.md"]
     assert "| `fake` (x) | published | top1 | 90.50 % ± 0.71 % (2) | 90.00 % | 91.00 % |" in text
-    assert text.startswith("before\n") and text.endswith("<!-- /claims -->\nafter\n")
+    assert text.startswith("before\n") and text.endswith(
+        "<!-- /claims -->\nafter\nIt ends at <!--claim fake mean-->90.50 %<!--/claim-->.\n"
+    )
     (docs / "page.md").write_text(text)
     assert publish.check(claims, docs) == []
     data = json.loads(claims.read_text())
@@ -238,6 +241,11 @@ def test_check_finds_a_tampered_claim_and_a_stale_docs_table(fake_repo, tmp_path
     problems = publish.check(claims, docs)
     assert any("fake: mean is 0.99, the logs give" in p for p in problems)
     assert any("claims tables out of date" in p for p in problems)
+    # the inline marker (docs/run_logs.md) too, by file, line, recipe and field
+    assert any(
+        p.startswith("docs/page.md:8: fake mean: the marker reads '90.50 %', logs/claims.json "
+                     "gives '99.00 %'") for p in problems
+    ), problems  # fmt: skip
 
 
 def test_docs_table_shows_fractions_in_percent_and_other_metrics_as_they_are():

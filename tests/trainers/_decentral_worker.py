@@ -10,6 +10,7 @@ Usage: python -m tests.trainers._decentral_worker OUTDIR
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -135,7 +136,7 @@ def consensus_at_lr_zero(env, steps: int = 8) -> list[float]:
     """sum_i ||x_i - mean||^2 after each synchronous AD-PSGD round, lr 0, distinct models."""
     model = make_mlp(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    combiner = create_combiner("adpsgd", seed=SEED)
+    combiner = create_combiner("adpsgd", seed=SEED, asynchronous=False)
     combiner.prepare(model, opt, env)
     with torch.no_grad():
         g = torch.Generator().manual_seed(200 + env.rank)
@@ -152,6 +153,58 @@ def consensus_at_lr_zero(env, steps: int = 8) -> list[float]:
         out.append(float(d))
         combiner.step(opt, None)
     return out
+
+
+def async_mass_at_lr_zero(env, steps: int = 12) -> dict:
+    """Asynchronous AD-PSGD, lr 0, distinct float64 models of small integers: the threads
+    exchange while the main thread steps; after ``close`` (threads stopped, contributions
+    applied; no all-reduce) the ranks' models still sum to exactly what they summed to.
+
+    Exact arithmetic: an exchange averages two dyadic rationals, and at most one exchange per
+    published step per active rank keeps every value well inside float64's 53 bits.
+    """
+    model = make_mlp(seed=0).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    combiner = create_combiner("adpsgd", seed=SEED)  # the default: the paper's asynchronous rule
+    combiner.prepare(model, opt, env)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(300 + env.rank)
+        for p in model.parameters():
+            p.copy_(torch.randint(-8, 9, p.shape, generator=g).double())
+    start = flatten(list(model.parameters())).clone()
+    for _ in range(steps):
+        combiner.step(opt, None)  # applies what the thread contributed, publishes the model
+        time.sleep(0.02)  # room for the threads to exchange between steps
+    combiner.close()
+    end = flatten(list(model.parameters())).clone()
+    exchanges = combiner.gossiper.exchanges
+    totals = torch.stack([start, end])
+    dist.all_reduce(totals)  # exact: sums of a few dyadic rationals
+    return {"start": start, "end": end, "sum_start": totals[0], "sum_end": totals[1],
+            "exchanges": exchanges}  # fmt: skip
+
+
+class _Pace:
+    """Rank ``slow`` sleeps ``delay`` s after each step; every rank notes when each step ends."""
+
+    def __init__(self, rank: int, slow: int, delay: float) -> None:
+        self.rank, self.slow, self.delay = rank, slow, delay
+        self.times: list[float] = []
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        if self.rank == self.slow:
+            time.sleep(self.delay)
+        self.times.append(time.monotonic())
+
+
+def pace_with_slow_peer(env, asynchronous: bool, steps: int = 12, delay: float = 0.25) -> list:
+    """The times of the first ``steps`` step ends on each rank while rank 1 sleeps ``delay``
+    after each of its steps (one epoch of ``steps`` steps: no epoch-end collective inside)."""
+    pace = _Pace(env.rank, slow=1, delay=delay)
+    trainer = trainer_for(env, "adpsgd", epochs=1, momentum=0.0, wd=0.0, hooks=[pace],
+                          asynchronous=asynchronous)  # fmt: skip
+    trainer.fit(ToyDataset(steps * BATCH * env.world_size, noise=0.1))
+    return pace.times[:steps]
 
 
 def digits_accuracy(env, mode: str, lr: float = 0.05, **options) -> float:
@@ -197,16 +250,16 @@ def main(out: Path) -> None:
             res["localsgd_h1"] = final(fit_(trainer_for(env, "localsgd", period=1)))
         if n == 4:
             rec = Recorder()
-            trainer = trainer_for(env, "adpsgd", momentum=0.0, wd=0.0, hooks=[rec])
+            trainer = trainer_for(env, "adpsgd", momentum=0.0, wd=0.0, hooks=[rec], asynchronous=False)
             trainer.fit(ToyDataset(N, noise=0.1))
             res["adpsgd_sync"] = {"params": rec.params, "grads": rec.grads, "lrs": rec.lrs}
-            res["identical_adpsgd"] = identical_data(env, "adpsgd")
-            res["identical_h_adpsgd"] = identical_data(env, "adpsgd", node_size=2)
+            res["identical_adpsgd"] = identical_data(env, "adpsgd", asynchronous=False)
+            res["identical_h_adpsgd"] = identical_data(env, "adpsgd", node_size=2, asynchronous=False)
             res["consensus"] = consensus_at_lr_zero(env)
-            res["h_adpsgd_one_node"] = final(fit_(trainer_for(env, "adpsgd", node_size=4)))
+            res["h_adpsgd_one_node"] = final(fit_(trainer_for(env, "adpsgd", node_size=4, asynchronous=False)))
             res["average"] = final(fit_(trainer_for(env, "average")))
             rec = Recorder()
-            fit_(trainer_for(env, "adpsgd", node_size=2, hooks=[rec]))
+            fit_(trainer_for(env, "adpsgd", node_size=2, hooks=[rec], asynchronous=False))
             res["h_adpsgd_two_nodes"] = rec.params
             rec = Recorder()
             fit_(trainer_for(env, "pipesgd", hooks=[rec]), noise=0.0)
@@ -214,23 +267,28 @@ def main(out: Path) -> None:
             res["resume"] = {
                 "sgp": resumed_vs_straight(env, "sgp", out),
                 "sgp-overlap2": resumed_vs_straight(env, "sgp", out, overlap=2),
-                "adpsgd": resumed_vs_straight(env, "adpsgd", out),
-                "h-adpsgd": resumed_vs_straight(env, "adpsgd", out, node_size=2),
+                "adpsgd": resumed_vs_straight(env, "adpsgd", out, asynchronous=False),
+                "h-adpsgd": resumed_vs_straight(env, "adpsgd", out, node_size=2, asynchronous=False),
                 "pipesgd": resumed_vs_straight(env, "pipesgd", out),
                 "pipesgd-fp16": resumed_vs_straight(env, "pipesgd", out, compressor="fp16"),
             }
             # Asynchronous AD-PSGD: nondeterministic; after synchronize every rank is equal.
-            trainer = trainer_for(env, "adpsgd", asynchronous=True)
+            trainer = trainer_for(env, "adpsgd")  # the default: asynchronous
             trainer.fit(ToyDataset(N, noise=0.1), eval_dataset=ToyDataset(12))
             res["async_after_sync"] = final(trainer)
             res["async_exchanges"] = trainer.combiner.gossiper.exchanges
+            res["async_mass"] = async_mass_at_lr_zero(env)
+            res["pace"] = {
+                "async": pace_with_slow_peer(env, asynchronous=True),
+                "sync": pace_with_slow_peer(env, asynchronous=False),
+            }
             res["digits"] = {
                 "average": digits_accuracy(env, "average"),
                 "sgp": digits_accuracy(env, "sgp"),
                 "sgp-overlap1": digits_accuracy(env, "sgp", overlap=1),
-                "adpsgd": digits_accuracy(env, "adpsgd"),
+                "adpsgd": digits_accuracy(env, "adpsgd", asynchronous=False),
                 "adpsgd-async": digits_accuracy(env, "adpsgd", asynchronous=True),
-                "h-adpsgd": digits_accuracy(env, "adpsgd", node_size=2),
+                "h-adpsgd": digits_accuracy(env, "adpsgd", node_size=2, asynchronous=False),
                 "pipesgd": digits_accuracy(env, "pipesgd"),
                 "pipesgd-qsgd": digits_accuracy(env, "pipesgd", compressor="qsgd"),
             }

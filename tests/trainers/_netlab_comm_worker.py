@@ -48,7 +48,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
 }
 # Further runs of registered modes: (mode, options).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "adpsgd-async": ("adpsgd", {"asynchronous": True}),
+    "adpsgd-sync": ("adpsgd", {"asynchronous": False}),  # the default is asynchronous
 }
 # (lr, momentum) where the SGD recipe does not fit: Local AdaAlter divides by its own
 # accumulators (an AdaGrad step; the authors' lr 0.5) and takes no SGD momentum; Pipe-SGD

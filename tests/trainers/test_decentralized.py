@@ -175,6 +175,38 @@ def test_async_adpsgd_exchanges_and_synchronizes(four):
         assert r["async_exchanges"] >= 1
 
 
+def test_async_adpsgd_keeps_the_sum_of_the_models_exactly(four):
+    """lr 0, exchanges running concurrently with the steps: every exchange moves two models to
+    their average, so sum_i x_i never changes (float64, dyadic values: exactly), while the
+    models do move toward each other. A rule where only one end moves, or where the active
+    end overwrites what its main thread applied meanwhile, changes the sum."""
+    runs = [r["async_mass"] for r in four]
+    assert torch.equal(runs[0]["sum_end"], runs[0]["sum_start"])
+    assert all(torch.equal(r["sum_start"], runs[0]["sum_start"]) for r in runs)
+    assert sum(r["exchanges"] for r in runs) >= 4  # both ends count an exchange
+    moved = [not torch.equal(r["end"], r["start"]) for r in runs]
+    assert all(moved), moved
+    mean = runs[0]["sum_start"] / 4
+    spread = lambda key: sum(float(((r[key] - mean) ** 2).sum()) for r in runs)  # noqa: E731
+    assert spread("end") < spread("start")
+
+
+def test_async_adpsgd_fast_ranks_do_not_wait_for_a_slow_peer(four):
+    """Rank 1 sleeps 0.25 s after each of 12 steps. Asynchronously the other ranks' 12 steps
+    take a fraction of rank 1's time (its thread still answers exchanges); in synchronous
+    rounds, the control, every rank is paced by the slow one."""
+    def span(times):
+        return times[-1] - times[0]
+
+    slow_async = span(four[1]["pace"]["async"])
+    assert slow_async > 11 * 0.25 * 0.9
+    for rank in (0, 2, 3):
+        assert span(four[rank]["pace"]["async"]) < 0.4 * slow_async, rank
+    slow_sync = span(four[1]["pace"]["sync"])
+    for rank in (0, 2, 3):
+        assert span(four[rank]["pace"]["sync"]) > 0.6 * slow_sync, rank
+
+
 # -- Pipe-SGD ------------------------------------------------------------------------------------
 def test_pipesgd_is_delayed_sgd(four):
     """A single process fed the 4 ranks' batches: step t applies mean_i g_i(w_{t-1})."""

@@ -38,10 +38,11 @@ MODULE = "tests.trainers._netlab_comm_worker"
 TIMEOUT = 300
 # Runs whose final parameters depend on timing, so a different network may change them.
 TIMING_DEPENDENT = {
-    # Asynchronous AD-PSGD: a communication thread averages with a peer while the main
-    # thread computes, and the step applies whatever the thread finished by then; which
-    # exchanges land before which step is decided by timing (is_deterministic is False).
-    "adpsgd-async",
+    # AD-PSGD (asynchronous by default, as the paper): a communication thread averages with a
+    # peer while the main thread computes, and the step applies whatever the thread finished
+    # by then; which exchanges land before which step is decided by timing (is_deterministic
+    # is False). Its synchronous rounds (adpsgd-sync) are deterministic.
+    "adpsgd",
 }
 # Not exempt although is_deterministic() is False: CodedReduce with stragglers >= 1 lets
 # timing decide which group member's gradient the root takes and which members skip a step

@@ -19,7 +19,7 @@ mode               what travels                                                 
 ``localsgd``       models, every H steps (post-local SGD)                         ``localsgd``
 ``slowmo``         models every H steps, a slow momentum step every H' steps      ``localsgd``
 ``local-adaalter`` models and AdaGrad accumulators, every H steps                 ``localsgd``
-``adpsgd``         models, pairwise with one peer (sync rounds / async; H-ADPSGD) ``adpsgd``
+``adpsgd``         models, pairwise with one peer (async / sync rounds; H-ADPSGD) ``adpsgd``
 ``pipesgd``        gradients, all-reduced while the next step computes (delay 1)  ``pipesgd``
 ``sgp``            models, push-sum to one peer per step (exponential graph)      ``sgp``
 =================  =============================================================  ===============

@@ -5,25 +5,26 @@ Each worker averages its model with **one** other worker's instead of all-reduci
 gradients; pair averaging keeps the mean model, so the mean follows SGD on the mean
 gradient. Two variants:
 
-* **Synchronous rounds** (the default; deterministic and exactly testable). At step ``k``
-  every rank draws the same random perfect matching of the ranks from the run seed (one
-  rank sits out when ``n`` is odd); partners average their models, then each applies its
-  own gradient, computed before the averaging::
+* **Asynchronous** (the default, the paper's algorithm). No barrier: a communication
+  thread on each rank, with its own gloo process group, averages with a random peer while
+  the main thread computes. The ranks split into *active* (even) and *passive* (odd) ones,
+  which rules out deadlock (the paper's bipartite graph): an active rank's thread sends its
+  latest model to a passive rank chosen at random, the passive rank's thread replies with
+  the average and both move to it. The main thread applies what the thread contributed at
+  its next step (the thread never writes the parameters, so a forward/backward is never
+  torn), computing its gradient on a model that may be a step stale, as the paper allows. A
+  slow rank does not slow the others: its thread still serves requests. Nondeterministic by
+  nature; tested by its properties (the sum of the models kept exactly at lr 0 while
+  exchanges run; a fast rank's steps not paced by a slow peer).
+* **Synchronous rounds** (``asynchronous=False``, ``--no-adpsgd-async``; deterministic and
+  exactly testable). At step ``k`` every rank draws the same random perfect matching of the
+  ranks from the run seed (one rank sits out when ``n`` is odd); partners average their
+  models, then each applies its own gradient, computed before the averaging::
 
       x_i <- (x_i + x_j) / 2 - lr * update(g_i)      # g_i = grad F(x_i) before averaging
 
   so ``mean(x) <- mean(x) - lr * mean(g)`` for plain SGD, and identical data on every rank
-  is single-process SGD.
-* **Asynchronous** (``asynchronous=True``, the paper's algorithm). No barrier: a
-  communication thread on each rank, with its own gloo process group, averages with a
-  random peer while the main thread computes. The ranks split into *active* (even) and
-  *passive* (odd) ones, which rules out deadlock (the paper's bipartite graph): an active
-  rank's thread sends its latest model to a passive rank chosen at random, the passive
-  rank's thread replies with the average and both move to it. The main thread applies what
-  the thread contributed at its next step (the thread never writes the parameters, so a
-  forward/backward is never torn), computing its gradient on a model that may be a step
-  stale, as the paper allows. A slow rank does not slow the others: its thread still serves
-  requests. Nondeterministic by nature; tested by its properties.
+  is single-process SGD. Every rank waits for its partner at every step.
 
 **H-ADPSGD** (``hierarchical=True``, or a ``node_size``): the ``node_size`` ranks of each node form one "super
 learner": they all-reduce their gradients every step (synchronous inside the node, like
@@ -89,9 +90,10 @@ def random_matching(n: int, seed: int, step: int) -> list[int]:
 @dataclass(frozen=True)
 class ADPSGDOptions:
     asynchronous: bool = option(
-        False,
-        "the asynchronous algorithm (a communication thread, no barrier; nondeterministic) "
-        "instead of synchronous matching rounds",
+        True,
+        "on by default: the paper's asynchronous algorithm (a communication thread, no barrier; "
+        "nondeterministic); --no-adpsgd-async: synchronous random-matching rounds "
+        "(deterministic, every rank waits for its partner)",
         flag="--adpsgd-async",
     )
     hierarchical: bool = option(
@@ -122,7 +124,7 @@ class ADPSGDOptions:
 class ADPSGDCombiner(GradCombiner):
     """AD-PSGD and H-ADPSGD (see the module docstring)."""
 
-    summary = "decentralized: pairwise model averaging (sync rounds or async; H-ADPSGD)"
+    summary = "decentralized: pairwise model averaging (async, or sync rounds; H-ADPSGD)"
 
     @classmethod
     def is_deterministic(cls, options: ADPSGDOptions) -> bool:
