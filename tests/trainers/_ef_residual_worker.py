@@ -25,6 +25,14 @@ from trainers.comm import COMPRESSORS
 
 # The scenario; test_ef_residual_dist.py imports these.
 SEED, STEPS, LR, RATIO, QSGD_BUCKET = 11, 5, 0.05, 0.25, 40
+# --ef-momentum (momentum before compression, per tensor): its momentum, the optimizer's weight
+# decay (applied by the combiner) and a learning rate that changes every step.
+MU, WD = 0.9, 0.01
+MOMENTUM_FIRST = ("randblock", "topk")
+
+
+def lr_at(step: int) -> float:
+    return LR * (step + 1) / STEPS
 
 
 def flags(name: str) -> list[str]:
@@ -77,10 +85,45 @@ def run(env: DistEnv, name: str) -> dict[str, list[torch.Tensor]]:
     return out
 
 
+def run_momentum_first(env: DistEnv, name: str) -> dict[str, list[torch.Tensor]]:
+    """``--ef-momentum MU`` with SGD (momentum 0, weight decay WD, lr_at(step)): the weights
+    before and after each step, the gradient going in, this rank's residual coming out."""
+    parser = argparse.ArgumentParser()
+    add_distributed_args(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args([*flags(name), "--ef-momentum", str(MU), "--seed", str(SEED)])
+    combiner = build_combiner(args, env)
+    model = make_mlp(seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.0, weight_decay=WD)
+    model = combiner.prepare(model, optimizer, env)
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    out: dict[str, list[torch.Tensor]] = {"weights": [], "grads": [], "residuals": []}
+    for step in range(STEPS):
+        g = gradient(env.rank, step, numel)
+        offset = 0
+        for p in params:
+            p.grad = g[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        out["weights"].append(flat(params))
+        out["grads"].append(g)
+        combiner.reduce_gradients(None)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        combiner.step(optimizer, None)
+        assert optimizer.param_groups[0]["weight_decay"] == WD  # put back after the step
+        out["residuals"].append(combiner.residual.clone())
+        optimizer.zero_grad(set_to_none=True)
+    out["weights"].append(flat(params))
+    out["sizes"] = [torch.tensor(p.numel()) for p in params]
+    return out
+
+
 def main(out: Path) -> None:
     torch.set_num_threads(1)
     with DistEnv.from_env(device="cpu") as env:
         res = {name: run(env, name) for name in COMPRESSORS}
+        res["momentum_first"] = {name: run_momentum_first(env, name) for name in MOMENTUM_FIRST}
         res["world_size"] = env.world_size
         torch.save(res, out / f"rank{env.rank}.pt")
 

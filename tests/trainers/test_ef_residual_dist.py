@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainers._ef_residual_worker import LR, QSGD_BUCKET, RATIO, SEED, STEPS
+from tests.trainers._ef_residual_worker import (
+    LR, MOMENTUM_FIRST, MU, QSGD_BUCKET, RATIO, SEED, STEPS, WD, lr_at,
+)
 from tests.trainers._launch import run_ranks
 from trainers.comm import COMPRESSORS
 from trainers.data import derive_seed
@@ -172,3 +174,65 @@ def test_each_rank_feeds_back_its_own_residual(ranks, name):
     if name != "none":  # the residuals differ between ranks: a shared one would fail above
         own = [residuals[0][r] for r in range(world)]
         assert max(np.abs(own[0] - o).max() for o in own[1:]) > 1e-4, name
+
+
+# ---- momentum before compression (--ef-momentum; the DEF authors' error-feedback baseline) ----
+def _per_tensor(name: str, xs: list[np.ndarray], step: int, salt: int) -> list[np.ndarray]:
+    """Compressor ``name`` on one tensor, drawing from the generators salted with ``salt``."""
+    n = xs[0].size
+    k = min(n, max(1, round(n * RATIO)))
+    if name == "randblock":
+        shared = torch.Generator().manual_seed(derive_seed(SEED, step, salt))
+        offset = int(torch.randint(n, (), generator=shared))
+        idx = (np.arange(k) + offset) % n
+        return [_keep(x, idx) for x in xs]
+    assert name == "topk"
+    return [_keep(x, np.argsort(-np.abs(x), kind="stable")[:k]) for x in xs]
+
+
+@pytest.mark.parametrize("name", MOMENTUM_FIRST)
+def test_momentum_before_compression_as_the_authors(ranks, name):
+    """The authors' EF (anxuthu/DEF optimizers/ef.py), per rank: m = mu m + g + wd w;
+    p = m + (lr_prev / lr) e; each tensor compressed on its own (salt: its index);
+    w -= lr mean_j C(p_j); e = p - C(p). Fails if momentum comes after the average, if the
+    residual is not rescaled when the lr changes, or if the weight decay is applied twice."""
+    world = len(ranks)
+    runs = [r["momentum_first"][name] for r in ranks]
+    sizes = [int(s) for s in runs[0]["sizes"]]
+    bounds = np.cumsum([0, *sizes])
+    m = [np.zeros(bounds[-1], np.float64) for _ in range(world)]
+    e = [np.zeros(bounds[-1], np.float64) for _ in range(world)]
+    w = runs[0]["weights"][0].numpy().astype(np.float64)
+    for step in range(STEPS):
+        lr, prev = lr_at(step), lr_at(max(step - 1, 0))
+        for r in range(world):  # the replicas stay equal
+            np.testing.assert_allclose(runs[r]["weights"][step].numpy(), w, rtol=0, atol=1e-5)
+        ps = []
+        for r in range(world):
+            m[r] = MU * m[r] + runs[r]["grads"][step].numpy() + WD * w
+            ps.append(m[r] + (prev / lr) * e[r])
+        mean = np.zeros_like(w)
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            cs = _per_tensor(name, [p[a:b].astype(np.float32) for p in ps], step, salt=i)
+            mean[a:b] = sum(c.astype(np.float64) for c in cs) / world
+            for r in range(world):
+                e[r][a:b] = ps[r][a:b] - cs[r]
+        w = w - lr * mean
+        for r in range(world):
+            np.testing.assert_allclose(runs[r]["residuals"][step].numpy(), e[r], rtol=1e-4,
+                                       atol=1e-4, err_msg=f"{name}: rank {r}, step {step}")  # fmt: skip
+    np.testing.assert_allclose(runs[0]["weights"][-1].numpy(), w, rtol=0, atol=1e-5)
+
+
+def test_momentum_before_compression_needs_sgd_without_momentum():
+    from trainers import DistEnv
+    from trainers.comm import create_combiner
+    from tests.trainers._trainer_toys import make_mlp
+
+    model = make_mlp(seed=0)
+    combiner = create_combiner("ef", compressor="randblock", momentum=0.9)
+    with pytest.raises(ValueError, match="--momentum 0"):
+        combiner.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                         DistEnv())  # fmt: skip
+    with pytest.raises(ValueError, match="--ef-bucket-mb"):
+        create_combiner("ef", compressor="randblock", momentum=0.9, bucket_mb=1.0)

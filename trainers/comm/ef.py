@@ -34,10 +34,26 @@ class EFOptions(CompressorOptions):
         flag="--ef-overlap",
     )
 
+    momentum: float = option(
+        0.0,
+        "momentum applied before compression, as the DEF authors run their error-feedback "
+        "baseline: m = mu m + g + wd w, each tensor compressed on its own as C(m + e "
+        "lr_prev / lr); the optimizer's momentum must be 0 (its weight decay is applied here) "
+        "(0: momentum in the optimizer, after the averaged compressed gradient)",
+        flag="--ef-momentum",
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.bucket_mb >= 0:
             raise ValueError(f"bucket_mb must be >= 0 (0: no buckets), got {self.bucket_mb}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1) (0: off), got {self.momentum}")
+        if self.momentum > 0 and self.bucket_mb > 0:
+            raise ValueError(
+                "momentum (--ef-momentum) compresses each tensor on its own after the backward; "
+                "drop bucket_mb (--ef-bucket-mb)"
+            )
 
 
 @register_combiner("ef", EFOptions)
@@ -50,6 +66,17 @@ class ErrorFeedbackCombiner(CompressedCombiner):
     replicas stay identical (rank 0's buffers are broadcast after each step, as DDP does).
     Gradient clipping applies to the averaged gradient. Works with any compressor; the
     run seed seeds the per-step generators (random block offsets, QSGD rounding).
+
+    With ``momentum > 0`` (``--ef-momentum``; the error-feedback baseline of the DEF
+    authors, ``anxuthu/DEF`` ``optimizers/ef.py``) momentum comes **before** compression: at
+    each optimizer step (in :meth:`step`, where the step's lr is known) every worker forms
+    ``m = mu m + g + wd w`` (``wd``: the optimizer group's weight decay, which the optimizer
+    then skips), ``p = m + (lr_prev / lr) e``, compresses each parameter tensor on its own
+    (tensor ``i`` draws from generators salted with ``i``), sends it, ``e = p - C(p)``, and the
+    optimizer (momentum 0) steps ``w -= lr mean_j C(p_j)``. The error is kept in units of the
+    update divided by the lr, rescaled when the lr changes, as the authors' code does; the
+    released residual is not amplified by the optimizer's momentum. Gradient clipping, which
+    runs before the step, then clips each worker's own gradient.
 
     With ``bucket_mb > 0`` the vector is cut into buckets of parameters in backward order
     (:mod:`trainers.comm.overlap`: recorded in the first step, rank 0's order for all) and
@@ -68,11 +95,21 @@ class ErrorFeedbackCombiner(CompressedCombiner):
         self.residual: Tensor | None = None
         self._buckets: BackwardBuckets | None = None
         self._views: dict[Tensor, slice] = {}  # parameter -> its span of the flat residual
+        self.momentum_buffer: Tensor | None = None  # momentum > 0: m (flat)
+        self.last_lrs: list[float] | None = None  # momentum > 0: each group's previous lr
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
     ) -> nn.Module:
         model = super().prepare(model, optimizer, env)
+        if self.options.momentum > 0:
+            for group in optimizer.param_groups:
+                if "momentum" not in group or group["momentum"] != 0 or group.get("nesterov"):
+                    raise ValueError(
+                        "--ef-momentum applies momentum before compression: the optimizer must "
+                        "be SGD with momentum 0 (pass --momentum 0; now "
+                        f"{group.get('momentum', 'an optimizer without momentum')!r})"
+                    )
         if self.options.bucket_mb > 0 and env.distributed:
             params = [p for p in model.parameters() if p.requires_grad]
             offset = 0
@@ -110,6 +147,8 @@ class ErrorFeedbackCombiner(CompressedCombiner):
     def reduce_gradients(self, scaler: torch.amp.GradScaler | None) -> None:
         no_loss_scaling(scaler, self.name)
         assert self.model is not None and self.env is not None
+        if self.options.momentum > 0:  # compressed in step(), where the lr is known
+            return
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self._buckets is not None:
             if self.residual is None:
@@ -137,8 +176,54 @@ class ErrorFeedbackCombiner(CompressedCombiner):
         if self._buckets is not None:
             self._buckets.close()
 
+    @torch.no_grad()
+    def _momentum_first(self, optimizer: torch.optim.Optimizer) -> list[float]:
+        """``momentum > 0``: momentum, error feedback and the per-tensor compressed average
+        into every ``p.grad``; returns each group's weight decay (the step runs without)."""
+        mu = self.options.momentum
+        groups = optimizer.param_groups
+        lrs = [float(g["lr"]) for g in groups]
+        last = self.last_lrs if self.last_lrs is not None else lrs
+        params: list[tuple[Tensor, float, float]] = []  # (parameter, wd, lr_prev / lr)
+        for group, lr, prev in zip(groups, lrs, last, strict=True):
+            scale = prev / lr if lr > 0 and prev > 0 else 1.0
+            params += [(p, float(group["weight_decay"]), scale) for p in group["params"]
+                       if p.requires_grad]  # fmt: skip
+        n = sum(p.numel() for p, _, _ in params)
+        if self.residual is None:
+            self.residual = torch.zeros(n)
+            self.momentum_buffer = torch.zeros(n)
+        assert self.momentum_buffer is not None
+        offset = 0
+        for i, (p, wd, scale) in enumerate(params):
+            span = slice(offset, offset + p.numel())
+            offset += p.numel()
+            g = p.grad.reshape(-1).float() if p.grad is not None else torch.zeros(p.numel())
+            if wd:
+                g = g + wd * p.detach().reshape(-1).float()
+            m = self.momentum_buffer[span]
+            m.mul_(mu).add_(g)
+            x = m + scale * self.residual[span]
+            mean, own = self._reduce(x, self.compressor, salt=i, params=[p])
+            self.residual[span] = x - own
+            p.grad = mean.view_as(p).to(p.dtype).clone()
+        self.last_lrs = lrs
+        self.counter.step()
+        decays = [g["weight_decay"] for g in groups]
+        for g in groups:
+            g["weight_decay"] = 0.0
+        return decays
+
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
-        super().step(optimizer, scaler)
+        if self.options.momentum > 0:
+            decays = self._momentum_first(optimizer)
+            try:
+                super().step(optimizer, scaler)
+            finally:
+                for g, wd in zip(optimizer.param_groups, decays, strict=True):
+                    g["weight_decay"] = wd
+        else:
+            super().step(optimizer, scaler)
         self.steps += 1
         if self.env is not None and self.env.distributed:
             assert self.model is not None
@@ -152,6 +237,9 @@ class ErrorFeedbackCombiner(CompressedCombiner):
         state = super().state_dict()
         if self.residual is not None:
             state["residual"] = self.residual.clone()
+        if self.momentum_buffer is not None:
+            state["momentum_buffer"] = self.momentum_buffer.clone()
+            state["last_lrs"] = list(self.last_lrs or [])
         if self._buckets is not None:  # the buckets' order: a resumed run cuts the same ones
             order = self._buckets.layout_state(self._model_params())
             if order is not None:
@@ -162,6 +250,9 @@ class ErrorFeedbackCombiner(CompressedCombiner):
         super().load_state_dict(state_dict)
         residual = state_dict.get("residual")
         self.residual = residual.clone() if residual is not None else None
+        buffer = state_dict.get("momentum_buffer")
+        self.momentum_buffer = buffer.clone() if buffer is not None else None
+        self.last_lrs = list(state_dict["last_lrs"]) if "last_lrs" in state_dict else None
         order = state_dict.get("bucket_order")
         if order is not None and self._buckets is not None:
             self._buckets.load_layout(self._model_params(), order, self.options.overlap)
