@@ -177,11 +177,22 @@ def test_a_new_mode_is_one_class(half_mode):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
-@pytest.mark.parametrize("mode", list_combiners())
+# Further option sets resumed like the registered modes: (mode, options, optimizer momentum).
+RESUME_VARIANTS = {
+    # momentum before compression keeps m and the last lr (a changing schedule: lr_fn)
+    "ef-momentum": ("ef", {"compressor": "randblock", "ratio": 0.25, "momentum": 0.9}, 0.0),
+}
+
+
+@pytest.mark.parametrize("mode", [*list_combiners(), *RESUME_VARIANTS])
 def test_resume_on_one_rank_is_bit_exact_for_every_mode(mode, tmp_path):
     """Train 2 epochs straight, or 1 + save + resume in a new process state + 1: the same."""
+    options: dict = {}
     optimizer = "sgd" if mode == "local-adaalter" else "nag"
     momentum = 0.0 if mode == "local-adaalter" else 0.9
+    if mode in RESUME_VARIANTS:
+        mode, options, momentum = RESUME_VARIANTS[mode]
+        optimizer = "sgd"
 
     def run(epochs: int, resume: str | None = None) -> Trainer:
         model = make_mlp(seed=0)
@@ -196,7 +207,7 @@ def test_resume_on_one_rank_is_bit_exact_for_every_mode(mode, tmp_path):
             logger=RunLogger(None, enabled=False),
             lr_schedule=lr_fn,
             train_step=train_step,
-            combiner=create_combiner(mode, seed=3),
+            combiner=create_combiner(mode, seed=3, **options),
         )
         if resume:
             trainer.resume(resume)
