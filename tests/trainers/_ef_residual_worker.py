@@ -51,6 +51,16 @@ def gradient(rank: int, step: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=g) * (1 + rank)
 
 
+def give_gradient(params, g: torch.Tensor, out: dict) -> None:
+    """Set ``g`` as the parameters' gradients; record the weights and ``g``."""
+    offset = 0
+    for p in params:
+        p.grad = g[offset : offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+    out["weights"].append(flat(params))
+    out["grads"].append(g)
+
+
 def flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
 
@@ -69,13 +79,7 @@ def run(env: DistEnv, name: str) -> dict[str, list[torch.Tensor]]:
     numel = sum(p.numel() for p in params)
     out: dict[str, list[torch.Tensor]] = {"weights": [], "grads": [], "means": [], "residuals": []}
     for step in range(STEPS):
-        g = gradient(env.rank, step, numel)
-        offset = 0
-        for p in params:
-            p.grad = g[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-        out["weights"].append(flat(params))
-        out["grads"].append(g)
+        give_gradient(params, gradient(env.rank, step, numel), out)
         combiner.reduce_gradients(None)
         out["means"].append(flat(p.grad for p in params))
         out["residuals"].append(combiner.residual.clone())
@@ -100,13 +104,7 @@ def run_momentum_first(env: DistEnv, name: str) -> dict[str, list[torch.Tensor]]
     numel = sum(p.numel() for p in params)
     out: dict[str, list[torch.Tensor]] = {"weights": [], "grads": [], "residuals": []}
     for step in range(STEPS):
-        g = gradient(env.rank, step, numel)
-        offset = 0
-        for p in params:
-            p.grad = g[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-        out["weights"].append(flat(params))
-        out["grads"].append(g)
+        give_gradient(params, gradient(env.rank, step, numel), out)
         combiner.reduce_gradients(None)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
