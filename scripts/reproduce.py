@@ -508,6 +508,34 @@ def check_claim(name: str, recipe: dict[str, Any], records: Sequence[Record]) ->
     return met, ("claim met: " if met else "claim missed: ") + band
 
 
+# The typed configs a rerun must resolve to exactly as the log did (``run`` differs by design:
+# a prefix rerun sets max_steps).
+COMPARED_CONFIGS = ("optimizer", "schedule", "combiner")
+
+
+def config_changes(header: Record, rerun_header: Record) -> list[str]:
+    """``"combiner.options.asynchronous: False (the log) -> True (the rerun)"`` for every
+    setting of the header's typed ``configs`` that the rerun resolved otherwise: the same
+    command means something else when a default changed since the log was made. Settings
+    only one side has (an option added since, whose default keeps the old behaviour) and logs
+    without typed configs compare nothing."""
+    before = header.get("configs") or {}
+    after = rerun_header.get("configs") or {}
+    changes: list[str] = []
+
+    def walk(a: Any, b: Any, where: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(set(a) & set(b)):  # an option added later is not compared
+                walk(a[key], b[key], f"{where}.{key}")
+        elif a != b:
+            changes.append(f"{where}: {a!r} (the log) -> {b!r} (the rerun)")
+
+    for name in COMPARED_CONFIGS:
+        if name in before and name in after:
+            walk(before[name], after[name], name)
+    return changes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Rerun a run log's command and compare the new log with it.",
@@ -614,6 +642,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"reproduce.py: the rerun wrote no usable log: {e}", file=sys.stderr)
             return 3
 
+    changed = config_changes(header, new[0])
+    if changed:
+        print(
+            "reproduce.py: the rerun ran with another configuration than the log's (a default "
+            f"changed since the log was made?): {'; '.join(changed)}; rerun the log's command "
+            "with the flags that set these back",
+            file=sys.stderr,
+        )
+        return 1
     status = 0
     if reason is None:
         ok, message = compare_logs(original, new, rtol, atol, report=print)

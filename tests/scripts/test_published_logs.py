@@ -367,6 +367,58 @@ def test_legacy_logs_are_not_comparable_and_say_why(tmp_path):
     assert "rerunning" not in result.stdout
 
 
+def test_every_published_command_still_resolves_to_its_recorded_configs(capsys):
+    """A log's command reruns with today's defaults: when a default changes (AD-PSGD became
+    asynchronous), a published command silently means another run. Each log's command, parsed
+    by its script today, must give the typed configs its header recorded (optimizer, schedule,
+    combiner; reproduce.config_changes, which reproduce.py also applies to every rerun). Logs
+    whose flags name files of their publishing machine cannot be parsed here and are counted."""
+    from tests.scripts._scripts import load_script
+    from trainers.cli import run_configs
+    from trainers.config import configs_record
+
+    reproduce = load_script("reproduce", tag="configs")
+    scripts: dict = {}
+    checked, unparsed, changed = 0, [], []
+    for path in LOGS:
+        header = _records(path)[0]
+        if not header.get("configs"):
+            continue
+        command = header["command"]
+        name = Path(command[0]).stem
+        module = scripts.setdefault(name, load_script(name, tag="configs"))
+        try:
+            args = module.parse_args(command[1:])
+        except SystemExit:  # e.g. --pretrained-bert-parameters of a path on its machine
+            unparsed.append(path)
+            continue
+        now = json.loads(json.dumps(configs_record(**run_configs(args))))
+        checked += 1
+        diff = reproduce.config_changes(header, {"configs": now})
+        if diff:
+            changed.append(f"{path.relative_to(ROOT)}: {'; '.join(diff)}")
+    capsys.readouterr()
+    assert not changed, "\n".join(changed)
+    assert checked >= 100 and len(unparsed) < checked / 4, (checked, unparsed)
+
+
+def test_a_rerun_with_another_configuration_fails_naming_the_setting(tmp_path):
+    """karate_gcn's log (made on this project's AMD machines) with its recorded weight decay
+    changed: the command now resolves to another value, and reproduce.py says which."""
+    lines = (ROOT / "logs" / "karate_gcn" / "seed0.jsonl").read_text().splitlines()
+    header = json.loads(lines[0])
+    recorded = header["configs"]["optimizer"]["weight_decay"]
+    header["configs"]["optimizer"]["weight_decay"] = recorded * 3
+    log = tmp_path / "seed0.jsonl"
+    log.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    result = _reproduce(log, tmp_path, "--max-steps", "2")
+    if "not comparable" in result.stdout:
+        pytest.skip(result.stdout.strip().splitlines()[-1])  # another processor model
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert (f"optimizer.weight_decay: {recorded * 3!r} (the log) -> {recorded!r} (the rerun)"
+            in result.stderr)  # fmt: skip
+
+
 def test_asynchronous_runs_are_never_comparable_exactly(tmp_path):
     """Asynchronous AD-PSGD races its communication thread against the computation: its
     logs are statistical evidence only, and reproduce.py says so without rerunning."""
