@@ -389,32 +389,38 @@ def test_claims_refusals(tmp_path):
 
 def test_a_terminated_publication_leaves_no_partial_log(fake_repo):
     """SIGTERM (a killed job) unwinds like a failure: the partial log goes, the old one comes
-    back."""
-    import os
+    back, and publish.py exits 128 + 15. The job is a real publish.py process (a copy in the
+    fake repo, so that its REPO_ROOT is that repo), signalled from outside as a scheduler
+    would: a signal sent by a thread of the test's own process need not reach its main thread
+    while that thread waits for the seed's process (it once did not, in CI)."""
+    import shutil
     import signal
-    import threading
+    import subprocess
+    import sys
+    import time
 
     claims = fake_repo / "logs" / "claims.json"
     assert _publish(claims, seeds="0", minimum="0.6") == 0
-    before = (fake_repo / "logs/fake/seed0.jsonl").read_text()
     partial = fake_repo / "logs/fake/seed0.jsonl"
-    old = signal.getsignal(signal.SIGTERM)
-
-    def kill_when_the_log_is_partial():
-        for _ in range(300):
-            if partial.is_file() and partial.read_text() != before and partial.stat().st_size:
-                break
-            threading.Event().wait(0.05)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    killer = threading.Thread(target=kill_when_the_log_is_partial)
-    killer.start()
+    before = partial.read_text()
+    shutil.copy(ROOT / "scripts" / "publish.py", fake_repo / "scripts" / "publish.py")
+    job = subprocess.Popen(
+        [sys.executable, "scripts/publish.py", "--claims", str(claims), "run", "fake", "--seeds",
+         "0", "--metric", "top1", "--minimum", "0.6", "--description", "x", "--threads", "1",
+         "--", "scripts/fake.py", "--hang"],
+        cwd=fake_repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     try:
-        with pytest.raises(SystemExit) as exit_info:
-            _publish(claims, seeds="0", minimum="0.6", command=("scripts/fake.py", "--hang"))
+        deadline = time.monotonic() + 120
+        while not (partial.is_file() and partial.stat().st_size and partial.read_text() != before):
+            assert job.poll() is None, job.communicate()[0]
+            assert time.monotonic() < deadline, "the seed wrote no partial log in 120 s"
+            time.sleep(0.05)
+        job.send_signal(signal.SIGTERM)
+        output = job.communicate(timeout=60)[0]
     finally:
-        killer.join()
-        signal.signal(signal.SIGTERM, old)
-    assert exit_info.value.code == 128 + signal.SIGTERM
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 128 + signal.SIGTERM, output
     assert partial.read_text() == before
     assert not list((fake_repo / "logs/fake").glob(".*"))
