@@ -306,6 +306,7 @@ class DistEnv:
         if self.owns_process_group and dist.is_initialized():
             if barrier and self.distributed:
                 self.barrier()
+                _leave_together()
             while _WATCHDOGS:  # before the store goes: the job is ending
                 _WATCHDOGS.pop().stop()
             dist.destroy_process_group()
@@ -543,6 +544,27 @@ def _exit_on_silence(reason: str) -> None:
 
 
 _WATCHDOGS: list[PeerWatchdog] = []  # this process's (one at most); destroy() stops it
+_EXITS = [0]  # destroy()s so far in this process: the key of the next exit count
+
+
+def _leave_together(timeout: float = 60.0) -> None:
+    """After the closing barrier: wait in the rendezvous store until every rank has returned
+    from it, so that no rank tears its gloo pairs down while a peer's barrier may still be
+    reading from them (a gloo barrier can return on one rank before its last message reached
+    another; rank 1 then aborted at exit, "terminate called without an active exception", in
+    about one CI run of six). Bounded: after ``timeout`` s it goes on (a peer died)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError, ValueError):
+        return
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted world counts anew
+    key = f"modelzoo/exit/{restart}/{_EXITS[0]}"
+    _EXITS[0] += 1
+    world = dist.get_world_size()
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout
+    while store.add(key, 0) < world and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def start_peer_watchdog(env: DistEnv, timeout: float | None = None) -> PeerWatchdog | None:
