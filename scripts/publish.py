@@ -446,14 +446,23 @@ def markers(text: str, where: str = "<text>") -> list[tuple[int, re.Match[str], 
     return found
 
 
+def _marker_texts(claims: dict[str, Any], text: str, where: str):
+    """``(line number, match, offset of its line, what claims gives)`` for every marker.
+
+    Raises:
+        ClaimsError: a marker naming an unknown recipe or field (with file and line).
+    """
+    for number, m, offset in markers(text, where):
+        try:
+            yield number, m, offset, claim_text(claims, m.group(1), m.group(2))
+        except ClaimsError as e:
+            raise ClaimsError(f"{where}:{number}: marker names {e}") from None
+
+
 def render_markers(claims: dict[str, Any], text: str, where: str = "<text>") -> str:
     """``text`` with every inline marker's TEXT set from ``claims``."""
     parts, last = [], 0
-    for number, m, offset in markers(text, where):
-        try:
-            shown = claim_text(claims, m.group(1), m.group(2))
-        except ClaimsError as e:
-            raise ClaimsError(f"{where}:{number}: marker names {e}") from None
+    for _, m, offset, shown in _marker_texts(claims, text, where):
         start, end = offset + m.start(3), offset + m.end(3)
         parts += [text[last:start], shown]
         last = end
@@ -504,12 +513,8 @@ def doc_problems(
             problems.append(
                 f"{_shown(path)}: claims tables out of date (run scripts/publish.py docs)"
             )
-        for number, m, _ in markers(text, _shown(path)):
+        for number, m, _, new in _marker_texts(claims, text, _shown(path)):
             name, field, old = m.groups()
-            try:
-                new = claim_text(claims, name, field)
-            except ClaimsError as e:
-                raise ClaimsError(f"{_shown(path)}:{number}: marker names {e}") from None
             if new != old:
                 problems.append(
                     f"{_shown(path)}:{number}: {name} {field}: the marker reads {old!r}, "

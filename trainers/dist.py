@@ -39,6 +39,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import datetime
 import os
 import random
 import sys
@@ -560,11 +561,10 @@ def _leave_together(timeout: float = 60.0) -> None:
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted world counts anew
     key = f"modelzoo/exit/{restart}/{_EXITS[0]}"
     _EXITS[0] += 1
-    world = dist.get_world_size()
-    store.add(key, 1)
-    deadline = time.monotonic() + timeout
-    while store.add(key, 0) < world and time.monotonic() < deadline:
-        time.sleep(0.005)
+    if store.add(key, 1) == dist.get_world_size():  # the last rank to arrive opens the door
+        store.set(f"{key}/all", "1")
+    with contextlib.suppress(RuntimeError):  # the store's timeout (a peer died): go on
+        store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout))
 
 
 def start_peer_watchdog(env: DistEnv, timeout: float | None = None) -> PeerWatchdog | None:
