@@ -60,7 +60,7 @@ class StateRecorder:
         )
         self.records.append(
             {"x": c.synced.clone(), "e": c.error.clone(), "m": m.clone(),
-             "lr": opt.param_groups[0]["lr"]}
+             "lr": opt.param_groups[0]["lr"], "bytes": c.counter.total_bytes}
         )  # fmt: skip
 
 
@@ -123,6 +123,55 @@ def reference_ef_on_updates(rank: int, ratio: float) -> torch.Tensor:
     return x
 
 
+def reference_def_per_tensor(rank: int, ratio: float, coeff: float) -> list[torch.Tensor]:
+    """The authors' ``optimizers/Def.py`` step with their random-block reducer
+    (``all_reducer.URSB``: one block per tensor, wrapping around its end), transcribed per
+    tensor with plain ``dist.all_reduce``: d = g + wd p; m = mu m + d; p -= lr m; delta +=
+    lr m; then per tensor a block of ``max(1, round(ratio n))`` entries at a random start is
+    averaged, error = delta off the block, old -= the averaged block, p = old - coeff error,
+    delta = error. The starts are drawn as documented for ``--def-blocks tensor``: tensor
+    ``i`` at step ``t`` (counted from 1) from a generator seeded with ``derive_seed(seed, t,
+    i)`` (their reducer draws them from one numpy stream). Returns x after every step."""
+    from trainers.data import derive_seed
+
+    model = make_mlp(seed=0).double()
+    params = list(model.parameters())
+    old = [p.detach().clone() for p in params]
+    delta = [torch.zeros_like(p) for p in params]
+    error = [torch.zeros_like(p) for p in params]
+    buf = [torch.zeros_like(p) for p in params]
+    xs = []
+    for step, (xb, yb) in enumerate(local_batches(rank)):
+        for p in params:
+            p.grad = None
+        F.cross_entropy(model(xb.double()), yb).backward()
+        lr = lr_fn(step)
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                d = p.grad + WD * p
+                buf[i] = MOMENTUM * buf[i] + d
+                p -= lr * buf[i]
+                delta[i] += lr * buf[i]
+            for i, p in enumerate(params):
+                n = p.numel()
+                size = min(n, max(1, round(ratio * n)))
+                gen = torch.Generator().manual_seed(derive_seed(SEED, step + 1, i))
+                start = int(torch.randint(n, (), generator=gen))
+                idx = (torch.arange(size) + start) % n
+                block = delta[i].reshape(-1)[idx].clone()
+                dist.all_reduce(block)
+                block /= dist.get_world_size()
+                error[i] = delta[i].clone()
+                error[i].reshape(-1)[idx] = 0.0
+                c = torch.zeros(n, dtype=p.dtype)
+                c[idx] = block
+                old[i] -= c.view_as(p)
+                p.copy_(old[i] - coeff * error[i])
+                delta[i] = error[i].clone()
+        xs.append(torch.cat([o.reshape(-1) for o in old]))
+    return xs
+
+
 def main(out: Path) -> None:
     torch.set_num_threads(1)
     with DistEnv.from_env(device="cpu") as env:
@@ -130,10 +179,15 @@ def main(out: Path) -> None:
         for name, comp, period in (
             ("randblock", RandomBlock(ratio=0.2), 1), ("topk", TopK(ratio=0.2), 1),
             ("randblock_p2", RandomBlock(ratio=0.2), 2),
+            ("randblock_tensor", RandomBlock(ratio=0.1), 1),
+            ("topk_tensor", TopK(ratio=0.1), 1),
         ):  # fmt: skip
             rec, probe = StateRecorder(), CheckpointProbe()
-            trainer = fit64(env, DEFCombiner(compressor=comp, coeff=0.3, period=period, seed=SEED),
-                            hooks=[rec, probe])  # fmt: skip
+            blocks = "tensor" if name.endswith("_tensor") else "flat"
+            combiner = DEFCombiner(
+                compressor=comp, coeff=0.3, period=period, seed=SEED, blocks=blocks
+            )
+            trainer = fit64(env, combiner, hooks=[rec, probe])
             res[name] = {
                 "records": rec.records,
                 "final": [p.detach().clone() for p in trainer.model.parameters()],
@@ -141,6 +195,7 @@ def main(out: Path) -> None:
                 "e": trainer.combiner.error.clone(),
                 "checkpoint_model": probe.model,
             }
+        res["ref_tensor"] = reference_def_per_tensor(env.rank, 0.1, 0.3)
         # coeff 0 = error feedback on updates
         trainer = fit64(env, DEFCombiner(compressor=TopK(ratio=0.2), coeff=0.0))
         res["coeff0"] = trainer.combiner.synced.clone()  # x (the module holds x - mean(e))

@@ -32,7 +32,7 @@ def ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
-@pytest.mark.parametrize("name", ["randblock", "topk"])
+@pytest.mark.parametrize("name", ["randblock", "topk", "randblock_tensor", "topk_tensor"])
 def test_the_average_model_steps_by_minus_lr_times_the_mean_momentum(ranks, name):
     per_rank = [r[name]["records"] for r in ranks]
     assert len(per_rank[0]) == STEPS
@@ -46,6 +46,31 @@ def test_the_average_model_steps_by_minus_lr_times_the_mean_momentum(ranks, name
         expected = previous - a["lr"] * (a["m"] + b["m"]) / 2
         torch.testing.assert_close(now, expected, rtol=0, atol=1e-12)
         previous = now
+
+
+def test_per_tensor_blocks_follow_the_authors_reducer(ranks):
+    """``--def-blocks tensor`` against a per-tensor transcription of the authors' DEF step
+    with their random-block reducer (``_def_worker.reference_def_per_tensor``): the shared
+    model x after every step."""
+    for r in ranks:
+        got = [rec["x"] for rec in r["randblock_tensor"]["records"]]
+        assert len(got) == len(r["ref_tensor"]) == STEPS
+        for t, (a, b) in enumerate(zip(got, r["ref_tensor"], strict=True)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=f"step {t + 1}")
+    flat = ranks[0]["randblock"]["records"][-1]["x"]
+    assert not torch.allclose(flat, ranks[0]["ref_tensor"][-1])  # the layouts differ
+
+
+def test_per_tensor_blocks_send_ratio_of_each_tensor(ranks):
+    """Each step every tensor sends max(1, round(0.1 n)) values (counted at 4 bytes each, the
+    compressor's fp32 wire convention), not round(0.1 N) of the whole vector."""
+    sizes = [p.numel() for p in make_mlp(seed=0).parameters()]
+    per_tensor = 4 * sum(min(n, max(1, round(0.1 * n))) for n in sizes)
+    assert per_tensor != 4 * round(0.1 * sum(sizes))  # the two layouts are told apart
+    for r in ranks:
+        sent = [rec["bytes"] for rec in r["randblock_tensor"]["records"]]
+        steps = [b - a for a, b in zip([0, *sent], sent)]
+        assert steps == [per_tensor] * STEPS
 
 
 def test_with_period_two_the_invariant_holds_at_each_communication(ranks):
@@ -98,7 +123,8 @@ def test_resuming_is_bit_exact(ranks):
 
 
 @pytest.mark.parametrize(
-    ("options", "message"), [({"coeff": -1}, "coeff"), ({"period": 0}, "period")]
+    ("options", "message"),
+    [({"coeff": -1}, "coeff"), ({"period": 0}, "period"), ({"blocks": "layer"}, "blocks")],
 )
 def test_bad_options_name_the_option(options, message):
     with pytest.raises(ValueError, match=message):

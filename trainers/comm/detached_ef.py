@@ -54,6 +54,13 @@ class DEFOptions(CompressorOptions):
         0.3, "local models y = x - coeff * e (0: error feedback on updates)", flag="--def-coeff"
     )
     period: int = option(1, "optimizer steps between communications", flag="--def-period")
+    blocks: str = option(
+        "flat",
+        "what the compressor sees: flat (the whole update as one vector) or tensor (each "
+        "parameter tensor on its own, the authors' reducer: one random block per tensor)",
+        choices=("flat", "tensor"),
+        flag="--def-blocks",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -63,6 +70,8 @@ class DEFOptions(CompressorOptions):
             raise ValueError(
                 f"period must be >= 1 (steps between communications), got {self.period}"
             )
+        if self.blocks not in ("flat", "tensor"):
+            raise ValueError(f"blocks must be 'flat' or 'tensor', got {self.blocks!r}")
 
 
 @register_combiner("def", DEFOptions)
@@ -80,6 +89,7 @@ class DEFCombiner(CompressedCombiner):
         super().__init__(options, **kwargs)
         self.coeff = float(self.options.coeff)
         self.period = int(self.options.period)
+        self.per_tensor = self.options.blocks == "tensor"
         self.synced: Tensor | None = None  # x
         self.error: Tensor | None = None  # e_i
         self.delta: Tensor | None = None  # delta_i
@@ -117,12 +127,24 @@ class DEFCombiner(CompressedCombiner):
         self.steps += 1
         if self.steps % self.period == 0:
             with torch.no_grad():
-                mean, own = self._reduce(self.delta, self.compressor, salt=0)
+                if self.per_tensor:
+                    mean, own = self._reduce_per_tensor(self.delta, self.compressor, params)
+                else:
+                    mean, own = self._reduce(self.delta, self.compressor, salt=0)
                 self.error = self.delta - own
                 self.synced -= mean
                 unflatten_(params, self.synced - self.coeff * self.error)
                 self.delta = self.error.clone()
         self.counter.step()
+
+    def metrics(self) -> dict[str, float]:
+        """The counter's bytes, and this rank's ``error_norm`` ||e_i|| next to ``shared_norm``
+        ||x||: how far the local model y_i = x - coeff e_i is detached from the shared one."""
+        out = super().metrics()
+        if self.error is not None and self.synced is not None:
+            out["error_norm"] = float(self.error.norm())
+            out["shared_norm"] = float(self.synced.norm())
+        return out
 
     # -- the averaged model ------------------------------------------------------------------------
     def _hold_average(self) -> None:

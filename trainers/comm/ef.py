@@ -195,7 +195,8 @@ class ErrorFeedbackCombiner(CompressedCombiner):
             self.momentum_buffer = torch.zeros(n)
         assert self.momentum_buffer is not None
         offset = 0
-        for i, (p, wd, scale) in enumerate(params):
+        sent = torch.empty(n)
+        for p, wd, scale in params:
             span = slice(offset, offset + p.numel())
             offset += p.numel()
             g = p.grad.reshape(-1).float() if p.grad is not None else torch.zeros(p.numel())
@@ -203,10 +204,12 @@ class ErrorFeedbackCombiner(CompressedCombiner):
                 g = g + wd * p.detach().reshape(-1).float()
             m = self.momentum_buffer[span]
             m.mul_(mu).add_(g)
-            x = m + scale * self.residual[span]
-            mean, own = self._reduce(x, self.compressor, salt=i, params=[p])
-            self.residual[span] = x - own
-            p.grad = mean.view_as(p).to(p.dtype).clone()
+            sent[span] = m + scale * self.residual[span]
+        tensors = [p for p, _, _ in params]
+        mean, own = self._reduce_per_tensor(sent, self.compressor, tensors)
+        self.residual = sent - own
+        for p, piece in zip(tensors, mean.split([p.numel() for p in tensors]), strict=True):
+            p.grad = piece.view_as(p).to(p.dtype).clone()
         self.last_lrs = lrs
         self.counter.step()
         decays = [g["weight_decay"] for g in groups]
