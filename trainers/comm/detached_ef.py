@@ -23,6 +23,9 @@ are ``x - mean_j e_j`` (the authors' evaluation point), and so is the ``model`` 
 checkpoint; training resumes from ``y_i`` (every rank's ``x``, ``e_i``, ``delta_i``, ``y_i`` and
 momentum are in the checkpoint's per-rank state).
 
+``blocks="tensor"`` (``--def-blocks tensor``) compresses each parameter tensor on its own (their
+reducer sends one random block per tensor), all tensors' payloads in one all-reduce.
+
 The rule follows the authors' code (``anxuthu/DEF``, ``optimizers/Def.py``: the update is
 accumulated into ``delta`` between communications and the error is kept in it afterwards).
 The paper's accelerated-generalization variant (DEF-A) is not implemented: its rule is not in
