@@ -19,9 +19,7 @@ from modelzoo.artifact import ArtifactError, load_artifact, save_artifact
 KWARGS = {"num_classes": 3, "in_channels": 4}
 
 
-@pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("isolated_home")  # tests/conftest.py
 
 
 def _net(seed: int = 0) -> torch.nn.Module:

@@ -41,11 +41,7 @@ NOT_BACKBONES = [n for n in ALL if n not in BACKBONES]
 STAGES = ("relu", "layer1", "layer2", "layer3", "layer4")  # the full model's modules, 0..4
 
 
-@pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("MODELZOO_REPO_URL", raising=False)
-    monkeypatch.delenv("MODELZOO_OFFLINE", raising=False)
+pytestmark = pytest.mark.usefixtures("isolated_home")  # tests/conftest.py
 
 
 def _stage_outputs(model: ResNeSt, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

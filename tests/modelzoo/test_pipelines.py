@@ -29,10 +29,7 @@ LABELS = [f"digit {i}" for i in range(10)]
 PREP = image_preprocessing(32, 0.8, (0.5, 0.4, 0.3), (0.2, 0.25, 0.3))  # resize 40, crop 32
 
 
-@pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("MODELZOO_REPO_URL", raising=False)
+pytestmark = pytest.mark.usefixtures("isolated_home")  # tests/conftest.py
 
 
 def _net(seed: int = 0) -> nn.Module:

@@ -26,11 +26,7 @@ PRETRAINED = [
 ]  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("MODELZOO_REPO_URL", raising=False)
-    monkeypatch.delenv("MODELZOO_OFFLINE", raising=False)
+pytestmark = pytest.mark.usefixtures("isolated_home")  # tests/conftest.py
 
 
 def _closed_port() -> int:

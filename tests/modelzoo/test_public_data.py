@@ -45,13 +45,13 @@ def server():
     srv.close()
 
 
-@pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):
-    root = tmp_path / "home"
-    monkeypatch.setenv("MODELZOO_HOME", str(root))
-    for var in ("MODELZOO_REPO_URL", "MODELZOO_DATA_URL", "MODELZOO_OFFLINE"):
-        monkeypatch.delenv(var, raising=False)
-    return root
+pytestmark = pytest.mark.usefixtures("isolated_home")  # tests/conftest.py
+
+
+@pytest.fixture
+def home(isolated_home):
+    """This test's cache directory (not created)."""
+    return isolated_home
 
 
 def leftovers(directory) -> set[str]:

@@ -41,14 +41,13 @@ def server():
     srv.close()
 
 
-@pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch) -> pathlib.Path:
-    """Point the cache at a fresh directory and clear the user's overrides."""
-    root = tmp_path / "home"
-    monkeypatch.setenv("MODELZOO_HOME", str(root))
-    monkeypatch.delenv("MODELZOO_REPO_URL", raising=False)
-    monkeypatch.delenv("MODELZOO_OFFLINE", raising=False)
-    return root
+pytestmark = pytest.mark.usefixtures("isolated_home")  # tests/conftest.py
+
+
+@pytest.fixture
+def home(isolated_home) -> pathlib.Path:
+    """This test's cache directory (not created)."""
+    return isolated_home
 
 
 def leftovers(directory: pathlib.Path) -> set[str]:

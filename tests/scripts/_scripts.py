@@ -1,5 +1,5 @@
-"""What the script tests share: loading a script as a module, reading its run log, and a
-clean single-process environment with its own cache."""
+"""What the script tests share: loading a script as a module and reading its run log (the
+clean single-process environment with its own cache is ``isolated_home``, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -45,10 +45,3 @@ def captured_parser(module):
 
 def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)

@@ -14,14 +14,14 @@ import torch
 
 import modelzoo
 
-from ._scripts import home, load_script, read_records  # noqa: F401  (fixture)
+from ._scripts import load_script, read_records
 
 
 def _load(name: str):
     return load_script(name, "export")
 
 
-@pytest.mark.usefixtures("home")
+@pytest.mark.usefixtures("isolated_home")
 def test_digits_export_evaluates_to_the_runs_ema_top1(tmp_path, capsys):
     """Real digit scans (a 12-per-class subset of the built-in set) with --model-ema: the
     folder holds the EMA's weights, so `python -m modelzoo evaluate` on the same val folder
@@ -73,7 +73,7 @@ def test_digits_export_evaluates_to_the_runs_ema_top1(tmp_path, capsys):
     assert len(pred) == 3 and all(p["label"] in art.labels for p in pred)
 
 
-@pytest.mark.usefixtures("home")
+@pytest.mark.usefixtures("isolated_home")
 def test_karate_export_predicts_the_runs_best_test_accuracy(tmp_path):
     from modelzoo.graph import datasets as gd
 
@@ -94,7 +94,7 @@ def test_karate_export_predicts_the_runs_best_test_accuracy(tmp_path):
     assert modelzoo.load_artifact(out).metrics["best_test_acc"] == end["best_test_acc"]
 
 
-@pytest.mark.usefixtures("home")
+@pytest.mark.usefixtures("isolated_home")
 def test_graph_classification_refuses_export_dir(tmp_path, capsys):
     script = _load("train_gnn")
     with pytest.raises(SystemExit) as err:  # a flag combination: refused by its parser

@@ -34,13 +34,6 @@ def _load_script():
     return module
 
 
-@pytest.fixture
-def env(tmp_path, monkeypatch):
-    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-
-
 def _squad(path: Path, qas: list[dict], version: str = "1.1") -> Path:
     data = {
         "version": version,
@@ -77,7 +70,8 @@ FAST = [
 ]
 
 
-def test_bad_answer_start_names_the_question_or_is_skipped(tmp_path, env, capsys):
+@pytest.mark.usefixtures("isolated_home")
+def test_bad_answer_start_names_the_question_or_is_skipped(tmp_path, capsys):
     good = _qa("copy-1", "What does copyfile copy?", "data")
     bad = _qa("rmtree-1", "What does rmtree delete?", "a directory tree", start=3)
     data = _squad(tmp_path / "bad.json", [good, bad])
@@ -101,7 +95,8 @@ def test_bad_answer_start_names_the_question_or_is_skipped(tmp_path, env, capsys
     assert [r["kind"] for r in records].count("eval") == 1
 
 
-def test_version_2_writes_null_odds(tmp_path, env):
+@pytest.mark.usefixtures("isolated_home")
+def test_version_2_writes_null_odds(tmp_path):
     qas = [
         _qa("copy-1", "What does copyfile copy?", "data"),
         _qa("rmtree-1", "What does rmtree delete?", "a directory tree"),
@@ -123,7 +118,8 @@ def test_version_2_writes_null_odds(tmp_path, env):
     assert results["total"] == 3 and results["NoAns_total"] == 1 and "best_f1" in results
 
 
-def test_unpad_predicts_what_the_padded_model_predicts(tmp_path, env):
+@pytest.mark.usefixtures("isolated_home")
+def test_unpad_predicts_what_the_padded_model_predicts(tmp_path):
     """``--unpad``: the layers run on the real tokens only; the real tokens' span logits are
     the padded model's, so the predictions (and their scores) are the same."""
     data = _tiny_set(tmp_path / "tiny.json")
@@ -205,7 +201,8 @@ F1_BEFORE_AT_MOST = 20.0
 F1_AFTER_AT_LEAST = 40.0
 
 
-def test_fine_tuning_minilm_beats_the_untuned_model_on_held_out_questions(tmp_path, env):
+@pytest.mark.usefixtures("isolated_home")
+def test_fine_tuning_minilm_beats_the_untuned_model_on_held_out_questions(tmp_path):
     """Real weights, real text: one function per paragraph of stdlib docstrings; the dev
     questions are about modules the model never saw."""
     from modelzoo.nlp.stdlib_squad import stdlib_squad

@@ -50,12 +50,9 @@ def script():
 
 
 @pytest.fixture
-def env(tmp_path, monkeypatch):
-    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
-    for var in ("MODELZOO_DATA_URL", "MODELZOO_REPO_URL", "MODELZOO_OFFLINE", "RANK",
-                "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # fmt: skip
-        monkeypatch.delenv(var, raising=False)
-    return tmp_path / "home"
+def env(isolated_home):
+    """This test's cache directory (not created), in an isolated environment (conftest.py)."""
+    return isolated_home
 
 
 class Lines:

@@ -141,8 +141,8 @@ def command(draw: st.DrawFn, name: str, values: dict[str, st.SearchStrategy[str]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.usefixtures("isolated_home")
 def test_drawn_flags_start_the_run_or_name_a_flag(name, monkeypatch, tmp_path):
-    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)  # nothing a run could write lands in the checkout
 
     @settings(max_examples=100, deadline=2000, database=None, derandomize=True,
@@ -173,8 +173,8 @@ def test_drawn_flags_start_the_run_or_name_a_flag(name, monkeypatch, tmp_path):
         (["--warmup-epochs", "3", "--num-epochs", "2"], "--warmup-epochs 3 is longer than"),
     ],
 )
+@pytest.mark.usefixtures("isolated_home")
 def test_imagenet_mistakes_are_one_line_and_leave_no_log(argv, names, tmp_path, monkeypatch):
-    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
     code, out, err = _run("train_imagenet", [*argv, "--save-dir", "out", "--no-progress"])
     assert names in _assert_one_error(code, err)
@@ -193,10 +193,10 @@ def _images(root: Path, per_class: int) -> Path:
     return root
 
 
-def test_imagenet_batch_norm_and_too_few_images_stop_before_a_log(tmp_path, monkeypatch):
+@pytest.mark.usefixtures("isolated_home")
+def test_imagenet_batch_norm_and_too_few_images_stop_before_a_log(tmp_path):
     """--batch-size 1 with BatchNorm is refused by name; an error found after the run log was
     started (fewer images than one batch) removes that log."""
-    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
     data = _images(tmp_path / "data", per_class=3)
     base = ["--data-dir", str(data), "--model", "resnest14", "--input-size", "32", "-j", "0",
             "--no-progress"]  # fmt: skip
@@ -209,8 +209,8 @@ def test_imagenet_batch_norm_and_too_few_images_stop_before_a_log(tmp_path, monk
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_the_default_warmup_is_shortened_to_fit_and_says_so(tmp_path, monkeypatch):
-    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
+@pytest.mark.usefixtures("isolated_home")
+def test_the_default_warmup_is_shortened_to_fit_and_says_so():
     code, out, err = _run("train_imagenet", ["--num-epochs", "1", "--print-config"])
     assert code == 0
     assert err.count("\n") == 1 and "default --warmup-epochs 2 does not fit --num-epochs 1" in err
@@ -239,8 +239,8 @@ def test_help_is_short_and_help_all_lists_every_flag(name):
     assert "(default: None)" not in full
 
 
-def test_defaults_that_depend_on_other_flags_are_shown_and_resolved(tmp_path, monkeypatch):
-    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
+@pytest.mark.usefixtures("isolated_home")
+def test_defaults_that_depend_on_other_flags_are_shown_and_resolved():
     _, text, _ = _run("finetune_squad", ["--help"])
     text = " ".join(text.split())
     assert "minilm_l6_h384 with the built-in set, bert_12_768_12 with SQuAD's files" in text
@@ -251,8 +251,8 @@ def test_defaults_that_depend_on_other_flags_are_shown_and_resolved(tmp_path, mo
     assert code == 0 and re.search(r"--bert-model\s+minilm_l6_h384\n", out)
 
 
-def test_no_namespace_dump_and_print_config_is_grouped(tmp_path, monkeypatch):
-    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
+@pytest.mark.usefixtures("isolated_home")
+def test_no_namespace_dump_and_print_config_is_grouped(tmp_path):
     code, out, err = _run("train_imagenet", ["--print-config"])
     assert code == 0 and "Namespace(" not in out + err
     assert "\nmodel:\n" in out and re.search(r"--model\s+resnest14\n", out)

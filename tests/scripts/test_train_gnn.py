@@ -51,13 +51,6 @@ def script():
     return _load_script()
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-
-
 def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
@@ -68,7 +61,8 @@ def _run(script, tmp_path: Path, name: str, *args: str) -> list[dict]:
     return _records(log)
 
 
-def test_karate_split_reaches_the_stated_accuracy(script, tmp_path, home):
+@pytest.mark.usefixtures("isolated_home")
+def test_karate_split_reaches_the_stated_accuracy(script, tmp_path):
     records = _run(script, tmp_path, "karate", "--model", "gcn_karate")
     header, end = records[0], records[-1]
     assert header["kind"] == "header" and header["config"]["model"] == "gcn_karate"
@@ -90,7 +84,8 @@ def test_karate_split_reaches_the_stated_accuracy(script, tmp_path, home):
      ("gat", ["--lr", "0.005"]),
      ("gcn", ["--fanouts", "5,5", "--batch-size", "3"])],
 )  # fmt: skip
-def test_every_node_model_trains_on_karate(script, tmp_path, home, model, extra):
+@pytest.mark.usefixtures("isolated_home")
+def test_every_node_model_trains_on_karate(script, tmp_path, model, extra):
     records = _run(script, tmp_path, model, "--model", model, "--num-epochs", "40",
                    "--hidden", "16", "--eval-interval", "4", *extra)  # fmt: skip
     end = records[-1]
@@ -99,14 +94,16 @@ def test_every_node_model_trains_on_karate(script, tmp_path, home, model, extra)
     assert losses[-1] < losses[0]
 
 
-def test_gin_learns_the_sbm_graph_classes(script, tmp_path, home):
+@pytest.mark.usefixtures("isolated_home")
+def test_gin_learns_the_sbm_graph_classes(script, tmp_path):
     records = _run(script, tmp_path, "gin", "--model", "gin_sbm", "--dataset", "sbm_graphs",
                    "--sbm-graphs", "200", "--batch-size", "32", "--num-epochs", "24",
                    "--hidden", "32", "--eval-interval", "3")  # fmt: skip
     assert records[-1]["best_test_acc"] >= 0.8  # 3 balanced classes: chance is 1/3
 
 
-def test_minibatch_matches_full_graph_on_an_sbm_graph(script, tmp_path, home):
+@pytest.mark.usefixtures("isolated_home")
+def test_minibatch_matches_full_graph_on_an_sbm_graph(script, tmp_path):
     common = ["--model", "graphsage_mean", "--dataset", "sbm", "--sbm-nodes", "3000",
               "--hidden", "32", "--lr", "0.01", "--data-seed", "2"]  # fmt: skip
     full = _run(script, tmp_path, "full", *common, "--num-epochs", "60", "--eval-interval", "10")
@@ -119,7 +116,8 @@ def test_minibatch_matches_full_graph_on_an_sbm_graph(script, tmp_path, home):
     assert steps and steps[-1]["step"] > 12  # several mini-batches per epoch
 
 
-def test_early_stopping_keeps_the_best_weights(script, tmp_path, home):
+@pytest.mark.usefixtures("isolated_home")
+def test_early_stopping_keeps_the_best_weights(script, tmp_path):
     records = _run(script, tmp_path, "stop", "--model", "gcn_karate", "--lr", "0.05",
                    "--num-epochs", "200", "--early-stop", "5", "--export-weights")  # fmt: skip
     end = records[-1]
@@ -135,7 +133,8 @@ def test_early_stopping_keeps_the_best_weights(script, tmp_path, home):
     assert acc == pytest.approx(end["best_test_acc"])
 
 
-def test_bad_flags_and_missing_data_are_clear(script, tmp_path, home, capsys):
+@pytest.mark.usefixtures("isolated_home")
+def test_bad_flags_and_missing_data_are_clear(script, tmp_path, capsys):
     with pytest.raises(SystemExit):
         script.main(["--fanouts", "25,x"])
     assert "--fanouts must be comma-separated integers" in capsys.readouterr().err
@@ -170,7 +169,8 @@ def _evaluate(name: str, model: torch.nn.Module, dataset_args: list[str]) -> flo
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
-def test_pretrained_weights_reach_the_logged_accuracy(name, home):
+@pytest.mark.usefixtures("isolated_home")
+def test_pretrained_weights_reach_the_logged_accuracy(name):
     log, _ = PUBLISHED[name]
     records = _records(ROOT / "logs" / log)
     command = records[0]["command"]

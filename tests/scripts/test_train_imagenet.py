@@ -48,14 +48,8 @@ def _folder(root: Path, per_class: int = 4) -> Path:
     return root
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MODELZOO_HOME", str(tmp_path / "home"))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-
-
-def test_truncated_jpeg_names_the_file_or_is_skipped(tmp_path, home, capsys):
+@pytest.mark.usefixtures("isolated_home")
+def test_truncated_jpeg_names_the_file_or_is_skipped(tmp_path, capsys):
     data = _folder(tmp_path / "data")
     bad = data / "train" / "cat" / "broken.jpg"
     bad.write_bytes(_jpeg(7)[:300])
@@ -68,7 +62,8 @@ def test_truncated_jpeg_names_the_file_or_is_skipped(tmp_path, home, capsys):
     assert "broken.jpg" in out and "Held-out top-1" in out
 
 
-def test_non_image_file_and_empty_class_folder(tmp_path, home):
+@pytest.mark.usefixtures("isolated_home")
+def test_non_image_file_and_empty_class_folder(tmp_path):
     data = _folder(tmp_path / "data")
     (data / "train" / "dog" / "notes.jpg").write_text("this is not an image")
     script = _load_script()
@@ -80,7 +75,8 @@ def test_non_image_file_and_empty_class_folder(tmp_path, home):
         script.main([*TINY, "--data-dir", str(data)])
 
 
-def test_recordio_bad_magic_and_missing_index(tmp_path, home):
+@pytest.mark.usefixtures("isolated_home")
+def test_recordio_bad_magic_and_missing_index(tmp_path):
     rec, idx = tmp_path / "train.rec", tmp_path / "train.idx"
     write_recordio(rec, idx, [(i % 2, _jpeg(i)) for i in range(8)])
     script = _load_script()

