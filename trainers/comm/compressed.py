@@ -154,20 +154,20 @@ class CompressedCombiner(GradCombiner):
         if sum(sizes) != x.numel():
             raise ValueError(f"{x.numel()} elements for parameters of {sum(sizes)} in all")
         segments = x.split(sizes)
-        batched = compressor.allreduce_compatible and not compressor.shares_selection
+        needs_stats = type(compressor).shared_stats is not Compressor.shared_stats  # qsgd
+        batched = (
+            compressor.allreduce_compatible and not compressor.shares_selection and not needs_stats
+        )
         payloads: list[list[Tensor]] = []
         contexts = []
         if batched:
             for i, seg in enumerate(segments):
-                if compressor.shared_stats(seg) is not None:
-                    batched = False
-                    break
                 shared, local = self._generators(salt=i)
                 payload, ctx = compressor.compress(seg, None, shared=shared, local=local)
                 payloads.append(payload)
                 contexts.append(ctx)
             flat_payload = [t for payload in payloads for t in payload]
-            batched = batched and len({t.dtype for t in flat_payload}) == 1
+            batched = len({t.dtype for t in flat_payload}) == 1
         if not batched:  # one collective per tensor
             means, owns = [], []
             for i, (seg, p) in enumerate(zip(segments, params, strict=True)):
