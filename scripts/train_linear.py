@@ -61,6 +61,7 @@ from modelzoo.linear import (
 from modelzoo.linear.svmlight import SvmlightFormatError
 from trainers import DistEnv, RunLogger, make_header
 from trainers.checkpoint import CheckpointError
+from trainers.dist import UnsafeLaunchError, check_launch, peer_timeout, start_peer_watchdog
 from trainers.claims import majority_level
 from trainers.cli import (
     ArgumentParser,
@@ -624,6 +625,14 @@ def main(argv: list[str] | None = None) -> int:
             appending = elastic.resume_run_log(resume)  # rank 0: cut the log back to the save
         except (ElasticStateMismatch, CheckpointError) as e:
             raise SystemExit(f"--elastic-dir: {e}") from None
+        # As the Trainer's ElasticState: refuse torchrun's shared store (a restart would read
+        # the dead group's addresses), and give up on a silent peer (a partition) in seconds
+        # instead of at the 30-minute collective timeout, so that torchrun re-forms the group.
+        try:
+            check_launch(elastic=True)
+        except UnsafeLaunchError as e:
+            raise SystemExit(f"--elastic-dir: {e}") from None
+        start_peer_watchdog(env, peer_timeout(elastic=True))
     logger = RunLogger(args.run_log, enabled=env.is_main, mode="a" if appending else "w",
                        tensorboard=args.tensorboard)  # fmt: skip
     if not appending:

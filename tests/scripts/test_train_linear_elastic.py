@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "train_linear.py"
 CRASH_VAR = "TRAIN_LINEAR_TEST_CRASH_AT"
 CRASH_CODE = 17
+FREEZE_VAR = "TRAIN_LINEAR_TEST_FREEZE_AT"  # rank 1 stops itself (SIGSTOP) there: a partition
+THAW_AFTER = 25.0  # ... and is continued this many seconds later
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 
@@ -70,7 +72,8 @@ def script():
 
 @pytest.fixture(autouse=True)
 def one_process(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", CRASH_VAR):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", CRASH_VAR,
+                FREEZE_VAR, "MODELZOO_PEER_TIMEOUT"):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -289,11 +292,64 @@ def test_torchrun_max_restarts_resumes_after_a_crash(script, tmp_path):
     assert _records(log)[0]["world_size"] == 2
 
 
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_silent_peer_is_given_up_in_seconds_and_the_job_resumes(script, tmp_path):
+    """A partition as the survivors see it: a peer that stops answering without closing its
+    sockets (rank 1 SIGSTOPs itself before step 20, and is continued 25 s later). Rank 0's
+    default watchdog (5 s for an elastic job under torchrun, nothing set) gives up with
+    exit 75, torchrun re-forms the group, and the run equals the uninterrupted one. Without
+    the watchdog rank 0 waits in its collective until the peer is continued, then the first
+    attempt simply finishes: no give-up line, no restart."""
+    import re
+
+    from tests.trainers._launch import free_port
+    from trainers.dist import PEER_LOST_EXIT_CODE
+
+    flags = ["--dataset", "synthetic", "--synthetic-samples", "300", "--synthetic-features", "40",
+             "--nnz-per-row", "6", "--solver", "casgd", "--s-steps", "4", "--precision", "fp64",
+             "--batch-size", "16", "--num-epochs", "2", "--elastic-checkpoint-steps", "20"]  # fmt: skip
+    assert script.main([*flags, "--run-log", str(tmp_path / "oracle.jsonl")]) == 0
+    oracle = _records(tmp_path / "oracle.jsonl")
+    log = tmp_path / "run.jsonl"
+    command = [sys.executable, "-m", "trainers.elastic", "torchrun", "--nnodes", "1",
+               "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+               "--rdzv-conf", "last_call_timeout=1",
+               "-m", "tests.scripts.test_train_linear_elastic", *flags, "--run-log", str(log),
+               "--elastic-dir", str(tmp_path / "job")]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, env={**_env(), FREEZE_VAR: "19"},
+                            capture_output=True, text=True, timeout=240)  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    gave_up = re.search(r"rank 0: rank 1's heartbeat has not moved for ([0-9.]+) s", out)
+    assert gave_up, out[-3000:]
+    assert 5.0 <= float(gave_up.group(1)) < THAW_AFTER, gave_up.group(0)
+    assert f"exitcode: {PEER_LOST_EXIT_CODE}" in out, out[-3000:]
+    # saved at 15 (epoch 0 done); rank 0 logged step 19's predecessors; the new group redoes
+    _check_resumed_log(_records(log), oracle, restored=15, old=2, new=2, rtol=1e-9)
+
+
+def _freeze_rank_one() -> None:
+    """SIGSTOP this process (a silent peer: no exit, no closed socket) and have a helper
+    continue it THAW_AFTER seconds later (then torchrun's pending SIGTERM ends it)."""
+    import signal
+
+    subprocess.Popen(["sh", "-c", f"sleep {THAW_AFTER}; kill -CONT {os.getpid()}"],
+                     start_new_session=True)  # fmt: skip
+    os.kill(os.getpid(), signal.SIGSTOP)
+    os.environ.pop(FREEZE_VAR)
+
+
 def _worker(argv: list[str]) -> int:
     script = _load_script()
     if argv[:1] != ["--jobs"]:  # under torchrun: really exit, in the first attempt only
-        if os.environ.get(CRASH_VAR) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if os.environ.get(CRASH_VAR) and first:
             _install_crash(int(os.environ[CRASH_VAR]), lambda: os._exit(CRASH_CODE))
+        if os.environ.get(FREEZE_VAR) and first and os.environ.get("RANK") == "1":
+            at = int(os.environ[FREEZE_VAR])
+            _install_crash(at, lambda: _freeze_rank_one() if FREEZE_VAR in os.environ else None)
         return script.main(argv)
     from trainers import DistEnv
 
