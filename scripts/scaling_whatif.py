@@ -15,7 +15,9 @@ dense fp32 gradient, ``r`` the compression ratio). A ring all-reduce over ``N`` 
 
 Part of it hides behind the backward pass: with overlap fraction ``o`` of the compute
 (DistributedDataParallel all-reduces buckets during the backward, which is about 2/3 of a
-step: ``o = 2/3``; the combiners that communicate after the backward have ``o = 0``)::
+step: ``o = 2/3``; the combiners that communicate after the backward have ``o = 0``; a node
+whose compute threads fill its cores has none left to overlap with, ``o = 0``:
+:func:`overlap_for_cores`)::
 
     T_step = T_c + max(0, T_comm - o T_c)        scaling factor f = T_c / T_step
 
@@ -145,6 +147,23 @@ def bucketed_step_time(
         done = max(ready * w.compute_time, done) + comm * nbytes / total
     backward_end = (1.0 - optimizer_share) * w.compute_time
     return max(backward_end, done) + optimizer_share * w.compute_time
+
+
+def overlap_for_cores(overlap: float, compute_threads: float, cores: float) -> float:
+    """The overlap a node can get: ``overlap`` when it has a core its compute does not use,
+    else 0.
+
+    Overlapping the all-reduce with the backward needs CPU time beside the compute (TCP, the
+    reduction, copying buckets; gloo does all of it on the CPU). A node whose compute
+    threads occupy every core it has (a CPU-trained node at ``OMP_NUM_THREADS`` = its cores;
+    the lab's nodes, which share one machine's cores) runs its all-reduce only when the
+    compute pauses: ``T_step = T_c + T_comm``. ``cores`` may be fractional (4 lab nodes on
+    2 cores: 0.5 each). A GPU node computes on the accelerator and keeps its ``overlap``;
+    pass its host cores and 0 compute threads.
+    """
+    if cores <= 0 or compute_threads < 0:
+        raise ValueError(f"cores {cores} must be > 0 and compute_threads {compute_threads} >= 0")
+    return overlap if compute_threads < cores else 0.0
 
 
 def needed_ratio(w: Workload, workers: int, gbps: float, latency: float, target: float) -> float:
@@ -544,6 +563,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="G from this zoo model's parameter count")
     p.add_argument("--compression-ratio", type=float, default=None)
     p.add_argument("--overlap", type=float, default=None, help="fraction of T_c hidden (0..1)")
+    p.add_argument("--cores-per-node", type=float, default=None,
+                   help="with --compute-threads: o = 0 when the compute fills the node's cores")
+    p.add_argument("--compute-threads", type=float, default=None,
+                   help="CPU threads the compute uses per node (0 for a GPU node)")
     p.add_argument("--plot", default=None, help="also draw the scaling factors into this PNG")
     args = p.parse_args(argv)
 
@@ -553,6 +576,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--overlap must be in [0, 1], got {args.overlap}")
     if not 0 < args.target <= 1:
         p.error(f"--target must be in (0, 1], got {args.target}")
+    if (args.cores_per_node is None) != (args.compute_threads is None):
+        p.error("give --cores-per-node and --compute-threads together")
+    if args.cores_per_node is not None and not (args.cores_per_node > 0 <= args.compute_threads):
+        p.error(f"--cores-per-node must be > 0 and --compute-threads >= 0, got "
+                f"{args.cores_per_node} and {args.compute_threads}")
     if args.log is not None:
         w = workload_from_log(args.log, grad_bytes=args.grad_bytes)
     else:
@@ -570,6 +598,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.overlap is not None:
         changes["overlap"] = args.overlap
     w = Workload(**{**w.__dict__, **changes})
+    if args.cores_per_node is not None:
+        o = overlap_for_cores(w.overlap, args.compute_threads, args.cores_per_node)
+        if o != w.overlap:
+            print(f"the compute's {args.compute_threads:g} threads fill the node's "
+                  f"{args.cores_per_node:g} cores: no overlap (o = 0 instead of {w.overlap:.2f})")
+        w = Workload(**{**w.__dict__, "overlap": o})
     latency = args.latency_us * 1e-6
     print(tables(w, args.workers, args.bandwidths, latency, args.target))
     print()

@@ -126,6 +126,33 @@ def test_command_line_errors_and_plot(tmp_path, capsys):
     assert "predicted scaling factor" in text and "compression ratio needed" in text
 
 
+def test_no_overlap_when_the_compute_fills_the_cores(tmp_path, capsys):
+    assert whatif.overlap_for_cores(2 / 3, 1, 1.0) == 0.0  # 2 lab nodes on 2 cores
+    assert whatif.overlap_for_cores(2 / 3, 1, 0.5) == 0.0  # 4 lab nodes on 2 cores
+    assert whatif.overlap_for_cores(2 / 3, 1, 2.0) == 2 / 3  # a core to spare
+    assert whatif.overlap_for_cores(2 / 3, 0, 0.5) == 2 / 3  # a GPU node
+    with pytest.raises(ValueError):
+        whatif.overlap_for_cores(2 / 3, 1, 0)
+    # the tool with a log of --grad-combine average (o = 2/3): T_step = T_c + T_comm at 1 Gbps
+    log = tmp_path / "run.jsonl"
+    lines = [{"kind": "header", "world_size": 2, "seed": 0, "command": ["scripts/train_imagenet.py"],
+              "config": {"model": "resnest14", "batch_size": 32, "grad_combine": "average"}}]
+    lines += [{"kind": "step", "step": i, "samples_per_sec": 640.0, "grad_bytes": 1.25e8}
+              for i in range(1, 6)]  # fmt: skip
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert whatif.main([str(log), "--workers", "2", "--bandwidths", "1",
+                        "--cores-per-node", "1", "--compute-threads", "1"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "no overlap (o = 0 instead of 0.67)" in text
+    # T_c = 64 / 640 = 0.1 s, T_comm = 2 * 1/2 * 1.25e8 / 1.25e8 = 1 s (+ 2 latencies)
+    factor = 0.1 / (0.1 + 1.0 + 2 * whatif.DEFAULT_LATENCY_US * 1e-6)
+    assert f"{factor:.3f}" in text.split("predicted scaling factor")[1].split("\n")[2]
+    for bad in (["--cores-per-node", "2"], ["--cores-per-node", "0", "--compute-threads", "1"]):
+        with pytest.raises(SystemExit) as err:
+            whatif.main([str(log), *bad])
+        assert err.value.code == 2
+
+
 # ---- every published log: the tool's numbers against the log's own records -------------------
 def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
