@@ -12,6 +12,9 @@ Usage::
     python scripts/publish.py run digits_resnest14 --seeds 0-4 --native --out-dir runs/native ...
     # an elastic recipe: 3 nodes, one killed at step 30, one added at step 70 (trainers.elastic_drill)
     python scripts/publish.py run elastic_digits --elastic-drill 3:30:70 --threads 1 ... -- scripts/train_imagenet.py ...
+    # a partition drill on the lab network (root): 3 nodes at 1 Gbit/s, node 2's cable pulled
+    # at step 10 for 90 s (trainers.elastic_drill --netlab)
+    python scripts/publish.py run elastic_cut --partition-drill 3:2:10:90 --threads 1 ... -- scripts/train_imagenet.py ...
     # list a recipe whose logs exist already (e.g. one written before fingerprints: "legacy")
     python scripts/publish.py add old_recipe --logs logs/old_recipe.jsonl \
         --metric f1 --source end --minimum 43 --min-seeds 3 --description "..."
@@ -118,6 +121,17 @@ def parse_drill(text: str) -> tuple[int, int, int]:
     return nodes, kill, join
 
 
+def parse_partition_drill(text: str) -> tuple[int, int, int, float]:
+    """``"3:2:10:90"`` -> 3 lab nodes, node 2's cable pulled at step 10 for 90 s."""
+    try:
+        nodes, node, step, seconds = text.split(":")
+        return int(nodes), int(node), int(step), float(seconds)
+    except ValueError:
+        raise SystemExit(
+            f"--partition-drill: expected NODES:NODE:STEP:SECONDS, got {text!r}"
+        ) from None
+
+
 def seed_command(
     command: Sequence[str],
     seed: int,
@@ -126,6 +140,8 @@ def seed_command(
     nproc: int,
     python: str = sys.executable,
     drill: tuple[int, int, int] | None = None,
+    partition_drill: tuple[int, int, int, float] | None = None,
+    bandwidth: str = "1gbit",
     threads: int = 1,
 ) -> list[str]:
     """``command`` (script relative to the repository, then its flags) for one seed."""
@@ -144,6 +160,14 @@ def seed_command(
             "--join-at-step", str(join), "--threads", str(threads), "--",
         ]  # fmt: skip
         return [python, *launcher, command[0], *args]
+    if partition_drill is not None:
+        nodes, node, step, seconds = partition_drill
+        launcher = [
+            "-m", "trainers.elastic_drill", "--netlab", "--nodes", str(nodes), "--bandwidth",
+            bandwidth, "--partition", f"{node}:{step}:{seconds:g}", "--threads", str(threads),
+            "--",
+        ]  # fmt: skip
+        return [python, *launcher, command[0], *args]
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     return [python, *(launcher if nproc > 1 else []), command[0], *args]
 
@@ -160,6 +184,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise SystemExit("--native and --portable contradict: --native runs unpinned kernels")
     out_dir = Path(args.out_dir) if args.out_dir else REPO_ROOT / "logs" / args.recipe
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.elastic_drill and args.partition_drill:
+        raise SystemExit("--elastic-drill and --partition-drill: give one drill")
+    partition = parse_partition_drill(args.partition_drill) if args.partition_drill else None
     env = run_env(args.threads, native=args.native, portable=args.portable)
     for seed in parse_seeds(args.seeds):
         final = out_dir / f"seed{seed}.jsonl"
@@ -179,6 +206,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             nproc=args.nproc_per_node,
             threads=args.threads,
             drill=parse_drill(args.elastic_drill) if args.elastic_drill else None,
+            partition_drill=partition,
+            bandwidth=args.drill_bandwidth,
         )
         print(f"[{args.recipe} seed {seed}] {' '.join(command)}", flush=True)
         start = time.perf_counter()
@@ -587,6 +616,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--elastic-drill", default=None, metavar="NODES:KILL:JOIN",
                    help="run each seed under trainers.elastic_drill: NODES agents, one killed at "
                    "step KILL, one added at step JOIN")  # fmt: skip
+    r.add_argument("--partition-drill", default=None, metavar="NODES:NODE:STEP:SECONDS",
+                   help="run each seed under trainers.elastic_drill --netlab (root): NODES lab "
+                   "nodes, NODE's cable pulled at step STEP for SECONDS")  # fmt: skip
+    r.add_argument("--drill-bandwidth", default="1gbit",
+                   help="--partition-drill: every lab node's link cap")  # fmt: skip
     r.add_argument("--native", action="store_true", help="no ISA pins (a check, not a publication)")
     r.add_argument(
         "--portable",

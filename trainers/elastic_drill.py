@@ -330,6 +330,7 @@ def run_netlab_drill(
     timeout: float = 1800.0,
     max_restarts: int = 5,
     share_store: bool = False,
+    store_on: str = "control",
     env: dict[str, str] | None = None,
     work_dir: Path | None = None,
     name: str | None = None,
@@ -339,8 +340,11 @@ def run_netlab_drill(
 
     ``partition`` is ``(node, step, seconds)``, ``slow_node`` is ``(node, rate)``.
     ``share_store=True`` launches torchrun with its default shared worker store (and lets
-    the workers start anyway): only to reproduce that failure mode. ``env``: the agents'
-    environment (default: this process's).
+    the workers start anyway): only to reproduce that failure mode. ``store_on`` is where the
+    rendezvous store runs: ``"control"`` (the lab's control host, which no partition cuts off:
+    the project's launch) or ``"node0"`` (node 0's agent hosts it, torchrun's ``is_host``, as
+    when a cluster's store runs on a training node). ``env``: the agents' environment
+    (default: this process's).
     """
     from .netlab import Lab, LabError, Partition, missing_requirements, parse_rate, run_job
 
@@ -351,6 +355,8 @@ def run_netlab_drill(
         raise DrillUsage(f"--nodes {nodes}: a partition drill needs 3 (2 go on without one)")
     if not 1 <= min_nodes <= nodes:
         raise DrillUsage(f"--min-nodes {min_nodes}: must be in [1, {nodes}]")
+    if store_on not in ("control", "node0"):
+        raise DrillUsage(f"--store-on {store_on}: give control or node0")
     if partition is not None and not 0 <= partition[0] < nodes:
         raise DrillUsage(f"--partition: node {partition[0]} is not in [0, {nodes - 1}]")
     if slow_node is not None and not 0 <= slow_node[0] < nodes:
@@ -376,7 +382,7 @@ def run_netlab_drill(
         agent_env["MODELZOO_ALLOW_SHARED_STORE"] = "1"
     result: dict = {"nodes": nodes, "min_nodes": min_nodes, "bandwidth": bandwidth,
                     "partition": partition, "slow_node": slow_node, "share_store": share_store,
-                    "work": str(work)}  # fmt: skip
+                    "store_on": store_on, "work": str(work)}  # fmt: skip
     try:
         slow = {slow_node[0]: slow_node[1]} if slow_node is not None else None
         try:
@@ -385,6 +391,7 @@ def run_netlab_drill(
                     lab, [*command, "--elastic-dir", str(elastic_dir)], min_nodes=min_nodes,
                     threads=threads, timeout=timeout, partition=cut, max_restarts=max_restarts,
                     log_dir=work / "agents", env=agent_env, log=log, share_store=share_store,
+                    rdzv_on_control=store_on == "control",
                 )  # fmt: skip
         except LabError as e:
             raise DrillError(f"--netlab: {e}") from None
@@ -525,6 +532,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help="cap NODE's link at RATE (e.g. 2:100mbit)")  # fmt: skip
     lab.add_argument("--share-store", action="store_true",
                      help="torchrun's default shared worker store (reproduces its failure)")  # fmt: skip
+    lab.add_argument("--store-on", choices=("control", "node0"), default="control",
+                     help="the rendezvous store on the lab's control host (default) or hosted "
+                     "by node 0's agent (a partition of node 0 then isolates it)")  # fmt: skip
     args = p.parse_args(argv)
     try:
         if args.netlab:
@@ -540,9 +550,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 partition=parse_partition(args.partition) if args.partition else None,
                 slow_node=parse_slow_node(args.slow_node) if args.slow_node else None,
                 threads=args.threads, timeout=args.timeout, share_store=args.share_store,
+                store_on=args.store_on,
             )  # fmt: skip
             print(_netlab_summary(result))
             return 0
+        if args.store_on != "control":
+            raise DrillUsage("--store-on: only with --netlab")
         for flag in ("partition", "slow_node", "share_store"):
             if getattr(args, flag):
                 raise DrillUsage(f"--{flag.replace('_', '-')}: only with --netlab")

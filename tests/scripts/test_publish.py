@@ -88,6 +88,17 @@ def test_seed_command_sets_seed_and_log_and_refuses_them_in_the_command():
     ]  # fmt: skip
     with pytest.raises(SystemExit, match="NODES:KILL_STEP:JOIN_STEP"):
         publish.parse_drill("3:30")
+    # a partition drill on the lab network: 3 nodes, node 2 cut at step 10 for 90 s
+    cut = publish.parse_partition_drill("3:2:10:90")
+    cmd = publish.seed_command(["scripts/t.py"], 2, Path("x.jsonl"), nproc=1, python="py",
+                               partition_drill=cut, bandwidth="100mbit", threads=1)  # fmt: skip
+    assert cmd == [
+        "py", "-m", "trainers.elastic_drill", "--netlab", "--nodes", "3", "--bandwidth",
+        "100mbit", "--partition", "2:10:90", "--threads", "1", "--", "scripts/t.py", "--seed",
+        "2", "--run-log", "x.jsonl",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit, match="NODES:NODE:STEP:SECONDS"):
+        publish.parse_partition_drill("3:2:10")
 
 
 FAKE = """

@@ -94,6 +94,7 @@ def _alive(pid: int) -> bool:
         (["--netlab", "--partition", "2:20:5", "--kill-at-step", "5"], "--kill-at-step"),
         (["--partition", "2:20:5", "--kill-at-step", "5"], "--partition: only with --netlab"),
         (["--slow-node", "2:1mbit", "--kill-at-step", "5"], "--slow-node: only with --netlab"),
+        (["--store-on", "node0", "--kill-at-step", "5"], "--store-on: only with --netlab"),
         ([], "--kill-at-step: required"),
     ],
 )
