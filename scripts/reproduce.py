@@ -35,8 +35,11 @@ Contract with the training scripts (every ``scripts/*.py`` that writes a run log
   last ``epoch`` record of a shortened rerun is skipped.
 
 When the header's ``world_size`` W is above 1 the rerun is launched as
-``EXE -m torch.distributed.run --standalone --nproc-per-node W script args`` (one node).
-Elastic runs whose membership changed cannot be reproduced this way.
+``EXE -m torch.distributed.run --standalone --nproc-per-node W script args`` (one node;
+an elastic log's through ``-m trainers.elastic torchrun``, which its workers require).
+An elastic run whose worker group changed (a ``membership`` record) is compared up to that
+change: its first S steps (S the record's ``step``, where the new group resumed), rerun at
+the starting world size; ``--max-steps`` beyond S is cut to S.
 
 Comparison: every ``step``, ``epoch`` and ``eval`` record of the original up to the step the
 rerun reached (all of them, and the ``end`` record, for a full rerun) must be in the rerun,
@@ -297,13 +300,11 @@ def build_command(
         args = _set_flag(args, "--max-steps", str(max_steps))
     world_size = int(header.get("world_size") or 1)
     if world_size > 1:
-        launcher = [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(world_size),
-        ]
+        # an elastic run's workers refuse torchrun's shared store (trainers.dist.check_launch):
+        # launch it as the project's torchrun, which gives each rendezvous round a fresh one
+        elastic = any(a == "--elastic-dir" or a.startswith("--elastic-dir=") for a in args)
+        runner = ["trainers.elastic", "torchrun"] if elastic else ["torch.distributed.run"]
+        launcher = ["-m", *runner, "--standalone", "--nproc-per-node", str(world_size)]
         return [python, *launcher, script, *args]
     return [python, script, *args]
 
@@ -609,6 +610,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 original, reason = own, None
     pins = reason is None
     reason = nondeterministic_reason(header) or reason
+    change = next((i for i, r in enumerate(original) if r.get("kind") == "membership"), None)
+    if change is not None and not args.full:
+        # the records after a worker-group change come from a world this rerun does not have
+        m = original[change]
+        limit = int(m.get("step") or 0)
+        if limit < 1:
+            print(f"not comparable: the worker group changed before the first step "
+                  f"({m.get('old_world_size')} -> {m.get('new_world_size')} workers)")  # fmt: skip
+            return EXIT_NOT_COMPARABLE
+        if args.max_steps is None or args.max_steps > limit:
+            print(f"an elastic run: its worker group changed at step {limit} "
+                  f"({m.get('old_world_size')} -> {m.get('new_world_size')} workers); "
+                  f"rerunning its first {limit} steps and comparing the records before that "
+                  "change", flush=True)  # fmt: skip
+            args.max_steps = limit
+        original = original[:change]
     if reason is not None:
         print(f"not comparable: {reason}", flush=True)
         if not args.full:

@@ -321,6 +321,7 @@ REPRODUCED_BY_DEFAULT = {
     "logs/digits_comm_ef_topk_2proc/seed0.jsonl",  # torchrun, 2 processes, top-k + EF
     "logs/sbm_gin/seed0.jsonl",  # graph classification, one thread (from the fingerprint)
     "logs/digits_comm_local_adaalter_2proc/seed0.jsonl",  # local steps, the authors AdaAlter
+    "logs/elastic_partition_digits_resnest14/seed0.jsonl",  # elastic (the project's torchrun)
 }
 REPRODUCE_ALL = os.environ.get("MODELZOO_REPRODUCE_ALL") == "1"
 # rerun whole: the claim must hold, and where this machine can re-create the trace, exactly

@@ -158,6 +158,12 @@ def test_build_command_replaces_flags_and_uses_torchrun():
     cmd = reproduce.build_command(header, "r.jsonl", python="py")
     assert cmd[:6] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     assert "--max-steps=9" in cmd  # kept when no --max-steps is asked for
+    # an elastic log: the project's torchrun (a fresh store each round), a fresh state dir
+    header["command"] = [*header["command"], "--elastic-dir", "/old/job"]
+    cmd = reproduce.build_command(header, "/tmp/x/r.jsonl", python="py")
+    assert cmd[:7] == ["py", "-m", "trainers.elastic", "torchrun", "--standalone",
+                       "--nproc-per-node", "4"]  # fmt: skip
+    assert cmd[cmd.index("--elastic-dir") + 1] == "/tmp/x/elastic"
 
 
 def test_default_tolerances_by_world_size():
