@@ -89,6 +89,7 @@ from .localsgd import (
     SlowMoCombiner,
     SlowMoOptions,
 )
+from .wrap import DistributedOptimizer
 
 __all__ = [
     "BF16",
@@ -105,6 +106,7 @@ __all__ = [
     "AverageCombiner",
     "AverageOptions",
     "CommCounter",
+    "DistributedOptimizer",
     "Compressor",
     "CompressorOptions",
     "ErrorFeedbackCombiner",

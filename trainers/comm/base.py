@@ -169,6 +169,17 @@ class GradCombiner:
         self.env = env
         return model
 
+    def wrap(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, env: DistEnv | None = None
+    ) -> Any:
+        """This mode in a plain PyTorch loop (Horovod's ``DistributedOptimizer``): prepares
+        the mode for ``model`` and returns a :class:`~trainers.comm.wrap.DistributedOptimizer`
+        whose ``step()`` combines and updates; call its ``.model``. ``env`` defaults to
+        :meth:`DistEnv.from_env` (an existing default process group is used as is)."""
+        from .wrap import DistributedOptimizer  # noqa: PLC0415 (wrap imports this module)
+
+        return DistributedOptimizer(self, optimizer, model, env)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Context for the backward of a non-final micro-step (skip communication)."""
