@@ -563,10 +563,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="G from this zoo model's parameter count")
     p.add_argument("--compression-ratio", type=float, default=None)
     p.add_argument("--overlap", type=float, default=None, help="fraction of T_c hidden (0..1)")
-    p.add_argument("--cores-per-node", type=float, default=None,
-                   help="with --compute-threads: o = 0 when the compute fills the node's cores")
-    p.add_argument("--compute-threads", type=float, default=None,
-                   help="CPU threads the compute uses per node (0 for a GPU node)")
+    p.add_argument(
+        "--cores-per-node",
+        type=float,
+        default=None,
+        help="with --compute-threads: o = 0 when the compute fills the node's cores",
+    )
+    p.add_argument(
+        "--compute-threads",
+        type=float,
+        default=None,
+        help="CPU threads the compute uses per node (0 for a GPU node)",
+    )
     p.add_argument("--plot", default=None, help="also draw the scaling factors into this PNG")
     args = p.parse_args(argv)
 
@@ -579,8 +587,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (args.cores_per_node is None) != (args.compute_threads is None):
         p.error("give --cores-per-node and --compute-threads together")
     if args.cores_per_node is not None and not (args.cores_per_node > 0 <= args.compute_threads):
-        p.error(f"--cores-per-node must be > 0 and --compute-threads >= 0, got "
-                f"{args.cores_per_node} and {args.compute_threads}")
+        p.error(
+            f"--cores-per-node must be > 0 and --compute-threads >= 0, got "
+            f"{args.cores_per_node} and {args.compute_threads}"
+        )
     if args.log is not None:
         w = workload_from_log(args.log, grad_bytes=args.grad_bytes)
     else:
@@ -601,8 +611,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cores_per_node is not None:
         o = overlap_for_cores(w.overlap, args.compute_threads, args.cores_per_node)
         if o != w.overlap:
-            print(f"the compute's {args.compute_threads:g} threads fill the node's "
-                  f"{args.cores_per_node:g} cores: no overlap (o = 0 instead of {w.overlap:.2f})")
+            print(
+                f"the compute's {args.compute_threads:g} threads fill the node's "
+                f"{args.cores_per_node:g} cores: no overlap (o = 0 instead of {w.overlap:.2f})"
+            )
         w = Workload(**{**w.__dict__, "overlap": o})
     latency = args.latency_us * 1e-6
     print(tables(w, args.workers, args.bandwidths, latency, args.target))

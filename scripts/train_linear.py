@@ -61,7 +61,6 @@ from modelzoo.linear import (
 from modelzoo.linear.svmlight import SvmlightFormatError
 from trainers import DistEnv, RunLogger, make_header
 from trainers.checkpoint import CheckpointError
-from trainers.dist import UnsafeLaunchError, check_launch, peer_timeout, start_peer_watchdog
 from trainers.claims import majority_level
 from trainers.cli import (
     ArgumentParser,
@@ -74,6 +73,7 @@ from trainers.cli import (
     run_main,
 )
 from trainers.comm.sparse import ALGORITHMS as SPARSE_ALGORITHMS
+from trainers.dist import UnsafeLaunchError, check_launch, peer_timeout, start_peer_watchdog
 from trainers.linear import (
     COMBINERS,
     CURVATURES,

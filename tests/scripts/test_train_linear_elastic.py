@@ -72,8 +72,16 @@ def script():
 
 @pytest.fixture(autouse=True)
 def one_process(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", CRASH_VAR,
-                FREEZE_VAR, "MODELZOO_PEER_TIMEOUT"):
+    for var in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        CRASH_VAR,
+        FREEZE_VAR,
+        "MODELZOO_PEER_TIMEOUT",
+    ):
         monkeypatch.delenv(var, raising=False)
 
 

@@ -26,8 +26,11 @@ def loop(env, combiner=None):
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     sgd = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     if combiner is None:  # the reference: torch's DDP and its optimizer, nothing of ours
-        opt, net, (part, parts) = sgd, nn.parallel.DistributedDataParallel(model), (
-            dist.get_rank(), dist.get_world_size())
+        opt, net, (part, parts) = (
+            sgd,
+            nn.parallel.DistributedDataParallel(model),
+            (dist.get_rank(), dist.get_world_size()),
+        )
     else:
         opt = combiner.wrap(sgd, model, env)
         net, (part, parts) = opt.model, opt.data_shard()

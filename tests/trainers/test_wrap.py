@@ -86,7 +86,9 @@ def test_state_dict_round_trips_and_misuse_is_refused():
     assert set(saved) == {"optimizer", "combiner"}
     other_model, other = _wrapped()
     other.load_state_dict(saved)
-    assert other.optimizer.state_dict()["state"].keys() == opt.optimizer.state_dict()["state"].keys()
+    assert (
+        other.optimizer.state_dict()["state"].keys() == opt.optimizer.state_dict()["state"].keys()
+    )
     with pytest.raises(ValueError, match="keys 'optimizer', 'combiner'"):
         other.load_state_dict(saved["optimizer"])
     with pytest.raises(ValueError, match="closure"):

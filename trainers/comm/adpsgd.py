@@ -55,10 +55,8 @@ from ..dist import DistEnv
 from .base import CommCounter, GradCombiner, option, refuse_loss_scaling, register_combiner
 from .flat import (
     allreduce_mean_,
-    broadcast_,
     exchange,
     flatten,
-    model_tensors,
     replica_tensors,
     restore_optimizer_state,
     unflatten_,
@@ -133,7 +131,6 @@ class ADPSGDCombiner(GradCombiner):
     def __init__(self, options: ADPSGDOptions | None = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)
         self.steps = 0
-        self.counter = CommCounter()
         # Set in prepare().
         self.node_size = 1
         self.node = 0  # this rank's node (0 .. nodes - 1)
@@ -151,11 +148,10 @@ class ADPSGDCombiner(GradCombiner):
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
     ) -> nn.Module:
         super().prepare(model, optimizer, env)
-        self.counter.set_model(model)
+        self.start_replicas(model, env)
         self.counter.peers = 0
         if not env.distributed:
             return model
-        broadcast_(model_tensors(model))
         n = env.world_size
         size = 1
         if self.options.nodes_of is not None:

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._dtensor import is_dtensor, is_pipeline_parallel, local_tensor
 from ..dist import DistEnv
-from .base import CommCounter, GradCombiner, option, register_combiner
+from .base import GradCombiner, option, register_combiner
 from .flat import allreduce_mean_
 
 __all__ = ["AverageCombiner", "AverageOptions", "DDPCombiner"]
@@ -51,7 +51,6 @@ class DDPCombiner(GradCombiner):
     def __init__(self, options: Any = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)
         self.ddp: DistributedDataParallel | None = None
-        self.counter = CommCounter()
 
     def _wrap(self, model: nn.Module, env: DistEnv, **ddp_kwargs: Any) -> DistributedDataParallel:
         device_ids = [env.device.index] if env.device.type == "cuda" else None
@@ -99,7 +98,7 @@ class AverageCombiner(DDPCombiner):
                 local_tensor(p).numel() * local_tensor(p).element_size() for p in model.parameters()
             )
             return model
-        self.counter.set_model(model)
+        self.start_replicas(model, env, broadcast=False)  # DDP broadcasts rank 0's model
         return self._wrap(model, env, **self.options.ddp_kwargs())
 
     def reduce_gradients(self, scaler: torch.amp.GradScaler | None) -> None:

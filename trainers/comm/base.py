@@ -64,6 +64,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..dist import DistEnv
+from .flat import broadcast_, model_tensors
 
 __all__ = [
     "CommCounter",
@@ -159,6 +160,7 @@ class GradCombiner:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.env: DistEnv | None = None
+        self.counter = CommCounter()  # bytes this rank sends per step (metrics())
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
@@ -168,6 +170,15 @@ class GradCombiner:
         self.optimizer = optimizer
         self.env = env
         return model
+
+    def start_replicas(self, model: nn.Module, env: DistEnv, *, broadcast: bool = True) -> None:
+        """The part of :meth:`prepare` every communicating mode shares: count bytes against
+        this model's dense gradient (:class:`CommCounter`) and, with ``broadcast`` (modes that
+        keep their own replicas; DDP broadcasts by itself), start every rank from rank 0's
+        parameters and buffers."""
+        self.counter.set_model(model)
+        if broadcast and env.distributed:
+            broadcast_(model_tensors(model))
 
     def wrap(
         self, optimizer: torch.optim.Optimizer, model: nn.Module, env: DistEnv | None = None

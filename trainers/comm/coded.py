@@ -55,8 +55,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..dist import DistEnv
-from .base import CommCounter, GradCombiner, option, refuse_loss_scaling, register_combiner
-from .flat import broadcast_, flat_grads, flatten, model_tensors, unflatten_
+from .base import GradCombiner, option, refuse_loss_scaling, register_combiner
+from .flat import flat_grads, flatten, unflatten_
 
 __all__ = ["CodedOptions", "CodedReduceCombiner", "CodedTree"]
 
@@ -184,7 +184,6 @@ class CodedReduceCombiner(GradCombiner):
         super().__init__(options, **kwargs)
         self.tree: CodedTree | None = None
         self.steps = 0
-        self.counter = CommCounter()
         # (step, request, buffer): receives of the group members that came second, and sends
         # not yet confirmed (the buffers must live until then)
         self.late: list[tuple[int, Any, Tensor]] = []
@@ -201,12 +200,11 @@ class CodedReduceCombiner(GradCombiner):
         super().prepare(model, optimizer, env)
         self.tree = self._tree(env.world_size)
         self._catches_up = env.distributed and env.rank != 0  # module docstring
-        self.counter.set_model(model)
         if env.distributed:
             self._store = _default_store()
             if env.rank == 0 and self._store is not None:  # before the broadcast: others read it
                 self._store.set(_DECIDED, "0")  # a store reused from an earlier run starts over
-            broadcast_(model_tensors(model))
+        self.start_replicas(model, env)
         return model
 
     def skips_step(self) -> bool:

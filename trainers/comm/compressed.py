@@ -11,9 +11,9 @@ from torch import Tensor, nn
 
 from ..data import derive_seed
 from ..dist import DistEnv
-from .base import CommCounter, GradCombiner, option
+from .base import GradCombiner, option
 from .compressors import COMPRESSORS, Compressor, compressed_allreduce, create_compressor
-from .flat import broadcast_, flatten, model_tensors
+from .flat import flatten
 from .sparse import CHOICES as SPARSE_CHOICES
 
 __all__ = ["CompressedCombiner", "CompressorOptions", "no_loss_scaling"]
@@ -93,7 +93,6 @@ class CompressedCombiner(GradCombiner):
         super().__init__(options, **kwargs)
         self.compressor = self.options.build_compressor()
         self.steps = 0  # optimizer steps taken (seeds the generators)
-        self.counter = CommCounter()
         self.union: dict[int, int] = {}  # per salt: non-zeros of the last sparse sum
 
     def prepare(
@@ -101,9 +100,7 @@ class CompressedCombiner(GradCombiner):
     ) -> nn.Module:
         super().prepare(model, optimizer, env)
         self.compressor.bind(env.world_size)
-        self.counter.set_model(model)
-        if env.distributed:
-            broadcast_(model_tensors(model))
+        self.start_replicas(model, env)
         return model
 
     def _generators(self, salt: int) -> tuple[torch.Generator, torch.Generator]:

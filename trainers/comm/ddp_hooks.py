@@ -48,7 +48,7 @@ class _DDPHookCombiner(DDPCombiner):
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
     ) -> nn.Module:
         super().prepare(model, optimizer, env)
-        self.counter.set_model(model)
+        self.start_replicas(model, env, broadcast=False)  # DDP broadcasts rank 0's model
         if not env.distributed:
             return model
         ddp = self._wrap(model, env)

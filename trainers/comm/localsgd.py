@@ -60,13 +60,12 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from ..dist import DistEnv
-from .base import CommCounter, GradCombiner, option, register_combiner
+from .base import GradCombiner, option, register_combiner
 from .flat import (
     allreduce_mean_,
     average_buffers_,
     average_models_,
     broadcast_,
-    model_tensors,
     restore_optimizer_state,
 )
 
@@ -98,15 +97,12 @@ class _LocalCombiner(GradCombiner, abc.ABC):
     def __init__(self, options: Any = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)
         self.steps = 0
-        self.counter = CommCounter()
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
     ) -> nn.Module:
         super().prepare(model, optimizer, env)
-        self.counter.set_model(model)
-        if env.distributed:
-            broadcast_(model_tensors(model))
+        self.start_replicas(model, env)
         return model
 
     def reduce_gradients(self, scaler: torch.amp.GradScaler | None) -> None:

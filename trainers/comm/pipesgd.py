@@ -39,9 +39,9 @@ from torch import Tensor, nn
 
 from ..data import derive_seed
 from ..dist import DistEnv
-from .base import CommCounter, GradCombiner, option, refuse_loss_scaling, register_combiner
+from .base import GradCombiner, option, refuse_loss_scaling, register_combiner
 from .compressors import COMPRESSORS, Context, create_compressor
-from .flat import average_buffers_, broadcast_, flat_grads, model_tensors, unflatten_
+from .flat import average_buffers_, flat_grads, unflatten_
 
 __all__ = ["PipeSGDCombiner", "PipeSGDOptions"]
 
@@ -93,16 +93,13 @@ class PipeSGDCombiner(GradCombiner):
         self.in_flight: _InFlight | None = None
         self.ready: Tensor | None = None  # a completed average not yet applied (after resume)
         self.apply_now = False  # set by reduce_gradients: step() applies a gradient
-        self.counter = CommCounter()
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
     ) -> nn.Module:
         super().prepare(model, optimizer, env)
         self.compressor.bind(env.world_size)
-        self.counter.set_model(model)
-        if env.distributed:
-            broadcast_(model_tensors(model))
+        self.start_replicas(model, env)
         return model
 
     def _params(self) -> list[Tensor]:

@@ -50,12 +50,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..dist import DistEnv
-from .base import CommCounter, GradCombiner, option, refuse_loss_scaling, register_combiner
+from .base import GradCombiner, option, refuse_loss_scaling, register_combiner
 from .flat import (
-    broadcast_,
     exchange,
     flatten,
-    model_tensors,
     replica_tensors,
     restore_optimizer_state,
     unflatten_,
@@ -117,7 +115,6 @@ class SGPCombiner(GradCombiner):
         self.steps = 0
         self.weight = 1.0  # the push-sum weight w_i
         self.in_flight: list[_InFlight] = []
-        self.counter = CommCounter()
 
     # -- the tensors gossiped: parameters and floating-point buffers ---------------------------
     def _tensors(self) -> list[Tensor]:
@@ -142,10 +139,8 @@ class SGPCombiner(GradCombiner):
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
     ) -> nn.Module:
         super().prepare(model, optimizer, env)
-        self.counter.set_model(model)
+        self.start_replicas(model, env)
         self.counter.peers = 0
-        if env.distributed:
-            broadcast_(model_tensors(model))
         return model
 
     def reduce_gradients(self, scaler: torch.amp.GradScaler | None) -> None:

@@ -69,7 +69,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         env: DistEnv | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"wrap: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise TypeError(
+                f"wrap: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("wrap: this optimizer is already wrapped by a combiner")
         if not isinstance(model, nn.Module):
