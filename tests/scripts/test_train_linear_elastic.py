@@ -274,25 +274,36 @@ def test_a_state_of_another_configuration_is_refused_naming_file_and_field(scrip
     assert err.value.code == 2
 
 
-# -- torchrun restarts the workers after a crash -----------------------------------------------
-@pytest.mark.dist
-def test_torchrun_max_restarts_resumes_after_a_crash(script, tmp_path):
+# -- torchrun restarts the workers after a crash or a silent peer --------------------------------
+TORCHRUN_FLAGS = ["--dataset", "synthetic", "--synthetic-samples", "300",
+                  "--synthetic-features", "40", "--nnz-per-row", "6", "--solver", "casgd",
+                  "--s-steps", "4", "--precision", "fp64", "--batch-size", "16",
+                  "--num-epochs", "2", "--elastic-checkpoint-steps", "20"]  # fmt: skip
+
+
+def _torchrun_job(script, tmp_path, launcher: list[str], env: dict[str, str]):
+    """The uninterrupted run's records, then the same flags as an elastic job of 2 workers
+    under ``launcher`` (torchrun, one restart allowed); returns (oracle, run log, result)."""
     from tests.trainers._launch import free_port
 
-    flags = ["--dataset", "synthetic", "--synthetic-samples", "300", "--synthetic-features", "40",
-             "--nnz-per-row", "6", "--solver", "casgd", "--s-steps", "4", "--precision", "fp64",
-             "--batch-size", "16", "--num-epochs", "2", "--elastic-checkpoint-steps", "20"]  # fmt: skip
-    assert script.main([*flags, "--run-log", str(tmp_path / "oracle.jsonl")]) == 0
-    oracle = _records(tmp_path / "oracle.jsonl")
+    assert script.main([*TORCHRUN_FLAGS, "--run-log", str(tmp_path / "oracle.jsonl")]) == 0
     log = tmp_path / "run.jsonl"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-               "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-               "--rdzv-conf", "last_call_timeout=1",
-               "-m", "tests.scripts.test_train_linear_elastic", *flags, "--run-log", str(log),
-               "--elastic-dir", str(tmp_path / "job")]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env={**_env(), CRASH_VAR: "19", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
-                            capture_output=True, text=True, timeout=240)  # fmt: skip
+    command = [sys.executable, "-m", *launcher, "--nnodes", "1", "--nproc-per-node", "2",
+               "--max-restarts", "1", "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-conf", "last_call_timeout=1",
+               "-m", "tests.scripts.test_train_linear_elastic", *TORCHRUN_FLAGS, "--run-log",
+               str(log), "--elastic-dir", str(tmp_path / "job")]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, env={**_env(), **env}, capture_output=True,
+                            text=True, timeout=240)  # fmt: skip
+    return _records(tmp_path / "oracle.jsonl"), log, result
+
+
+@pytest.mark.dist
+def test_torchrun_max_restarts_resumes_after_a_crash(script, tmp_path):
+    oracle, log, result = _torchrun_job(
+        script, tmp_path, ["torch.distributed.run"],
+        {CRASH_VAR: "19", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # 225 rows, 15 mini-batches an epoch (rounds of 4, 4, 4, 3): saved at 15 (epoch 0 done);
     # step 19 is logged, then both workers die; torchrun starts a new group, which redoes it
@@ -311,30 +322,18 @@ def test_a_silent_peer_is_given_up_in_seconds_and_the_job_resumes(script, tmp_pa
     attempt simply finishes: no give-up line, no restart."""
     import re
 
-    from tests.trainers._launch import free_port
     from trainers.dist import PEER_LOST_EXIT_CODE
 
-    flags = ["--dataset", "synthetic", "--synthetic-samples", "300", "--synthetic-features", "40",
-             "--nnz-per-row", "6", "--solver", "casgd", "--s-steps", "4", "--precision", "fp64",
-             "--batch-size", "16", "--num-epochs", "2", "--elastic-checkpoint-steps", "20"]  # fmt: skip
-    assert script.main([*flags, "--run-log", str(tmp_path / "oracle.jsonl")]) == 0
-    oracle = _records(tmp_path / "oracle.jsonl")
-    log = tmp_path / "run.jsonl"
-    command = [sys.executable, "-m", "trainers.elastic", "torchrun", "--nnodes", "1",
-               "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-               "--rdzv-conf", "last_call_timeout=1",
-               "-m", "tests.scripts.test_train_linear_elastic", *flags, "--run-log", str(log),
-               "--elastic-dir", str(tmp_path / "job")]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env={**_env(), FREEZE_VAR: "19"},
-                            capture_output=True, text=True, timeout=240)  # fmt: skip
+    oracle, log, result = _torchrun_job(
+        script, tmp_path, ["trainers.elastic", "torchrun"], {FREEZE_VAR: "19"}
+    )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
     gave_up = re.search(r"rank 0: rank 1's heartbeat has not moved for ([0-9.]+) s", out)
     assert gave_up, out[-3000:]
     assert 5.0 <= float(gave_up.group(1)) < THAW_AFTER, gave_up.group(0)
     assert f"exitcode: {PEER_LOST_EXIT_CODE}" in out, out[-3000:]
-    # saved at 15 (epoch 0 done); rank 0 logged step 19's predecessors; the new group redoes
+    # saved at 15 (epoch 0 done); the new group redoes the steps after it
     _check_resumed_log(_records(log), oracle, restored=15, old=2, new=2, rtol=1e-9)
 
 
