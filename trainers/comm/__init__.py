@@ -36,6 +36,7 @@ from .adasum import AdasumCombiner, AdasumOptions, adasum_allreduce_, adasum_pai
 from .average import AverageCombiner, AverageOptions
 from .base import (
     CommCounter,
+    CountingCombiner,
     GradCombiner,
     NoOptions,
     combiner_class,
@@ -106,6 +107,7 @@ __all__ = [
     "AverageCombiner",
     "AverageOptions",
     "CommCounter",
+    "CountingCombiner",
     "DistributedOptimizer",
     "Compressor",
     "CompressorOptions",

@@ -52,7 +52,13 @@ from torch import Tensor, nn
 
 from ..data import derive_seed
 from ..dist import DistEnv
-from .base import CommCounter, GradCombiner, option, refuse_loss_scaling, register_combiner
+from .base import (
+    CommCounter,
+    CountingCombiner,
+    option,
+    refuse_loss_scaling,
+    register_combiner,
+)
 from .flat import (
     allreduce_mean_,
     exchange,
@@ -119,7 +125,7 @@ class ADPSGDOptions:
 
 
 @register_combiner("adpsgd", ADPSGDOptions)
-class ADPSGDCombiner(GradCombiner):
+class ADPSGDCombiner(CountingCombiner):
     """AD-PSGD and H-ADPSGD (see the module docstring)."""
 
     summary = "decentralized: pairwise model averaging (async, or sync rounds; H-ADPSGD)"

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._dtensor import is_dtensor, is_pipeline_parallel, local_tensor
 from ..dist import DistEnv
-from .base import GradCombiner, option, register_combiner
+from .base import CountingCombiner, option, register_combiner
 from .flat import allreduce_mean_
 
 __all__ = ["AverageCombiner", "AverageOptions", "DDPCombiner"]
@@ -44,7 +44,7 @@ class AverageOptions:
         return kwargs
 
 
-class DDPCombiner(GradCombiner):
+class DDPCombiner(CountingCombiner):
     """What the modes built on ``DistributedDataParallel`` share: the wrapper, its
     ``no_sync`` for non-final micro-steps, and a byte counter."""
 

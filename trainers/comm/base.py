@@ -68,6 +68,7 @@ from .flat import broadcast_, model_tensors
 
 __all__ = [
     "CommCounter",
+    "CountingCombiner",
     "GradCombiner",
     "NoOptions",
     "combiner_class",
@@ -160,7 +161,6 @@ class GradCombiner:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.env: DistEnv | None = None
-        self.counter = CommCounter()  # bytes this rank sends per step (metrics())
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
@@ -170,15 +170,6 @@ class GradCombiner:
         self.optimizer = optimizer
         self.env = env
         return model
-
-    def start_replicas(self, model: nn.Module, env: DistEnv, *, broadcast: bool = True) -> None:
-        """The part of :meth:`prepare` every communicating mode shares: count bytes against
-        this model's dense gradient (:class:`CommCounter`) and, with ``broadcast`` (modes that
-        keep their own replicas; DDP broadcasts by itself), start every rank from rank 0's
-        parameters and buffers."""
-        self.counter.set_model(model)
-        if broadcast and env.distributed:
-            broadcast_(model_tensors(model))
 
     def wrap(
         self, optimizer: torch.optim.Optimizer, model: nn.Module, env: DistEnv | None = None
@@ -264,6 +255,25 @@ class GradCombiner:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.options!r})"
+
+
+class CountingCombiner(GradCombiner):
+    """A mode that does its own communication and counts it: a :class:`CommCounter` in
+    ``self.counter`` (what :meth:`metrics` reports), and :meth:`start_replicas`, the part of
+    :meth:`prepare` these modes share."""
+
+    def __init__(self, options: Any = None, **kwargs: Any) -> None:
+        super().__init__(options, **kwargs)
+        self.counter = CommCounter()  # bytes this rank sends per step
+
+    def start_replicas(self, model: nn.Module, env: DistEnv, *, broadcast: bool = True) -> None:
+        """The part of :meth:`prepare` every communicating mode shares: count bytes against
+        this model's dense gradient (:class:`CommCounter`) and, with ``broadcast`` (modes that
+        keep their own replicas; DDP broadcasts by itself), start every rank from rank 0's
+        parameters and buffers."""
+        self.counter.set_model(model)
+        if broadcast and env.distributed:
+            broadcast_(model_tensors(model))
 
 
 def refuse_loss_scaling(scaler: torch.amp.GradScaler | None, mode: str, why: str) -> None:

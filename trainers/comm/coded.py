@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..dist import DistEnv
-from .base import GradCombiner, option, refuse_loss_scaling, register_combiner
+from .base import CountingCombiner, option, refuse_loss_scaling, register_combiner
 from .flat import flat_grads, flatten, unflatten_
 
 __all__ = ["CodedOptions", "CodedReduceCombiner", "CodedTree"]
@@ -168,7 +168,7 @@ class CodedTree:
 
 
 @register_combiner("coded", CodedOptions)
-class CodedReduceCombiner(GradCombiner):
+class CodedReduceCombiner(CountingCombiner):
     """Gradient coding on a tree (fractional repetition; module docstring)."""
 
     summary = "tree reduction that waits for the fastest s+1-th of each group (CodedReduce)"

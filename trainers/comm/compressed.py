@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ..data import derive_seed
 from ..dist import DistEnv
-from .base import GradCombiner, option
+from .base import CountingCombiner, option
 from .compressors import COMPRESSORS, Compressor, compressed_allreduce, create_compressor
 from .flat import flatten
 from .sparse import CHOICES as SPARSE_CHOICES
@@ -84,7 +84,7 @@ def no_loss_scaling(scaler: torch.amp.GradScaler | None, mode: str) -> None:
         )
 
 
-class CompressedCombiner(GradCombiner):
+class CompressedCombiner(CountingCombiner):
     """Bare module with rank 0's weights, a compressor, per-step generators, byte counting."""
 
     Options = CompressorOptions

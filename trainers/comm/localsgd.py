@@ -60,7 +60,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from ..dist import DistEnv
-from .base import GradCombiner, option, register_combiner
+from .base import CountingCombiner, option, register_combiner
 from .flat import (
     allreduce_mean_,
     average_buffers_,
@@ -91,7 +91,7 @@ def _check_period(value: int, name: str) -> None:
         raise ValueError(f"{name} must be >= 1 (optimizer steps between averagings), got {value}")
 
 
-class _LocalCombiner(GradCombiner, abc.ABC):
+class _LocalCombiner(CountingCombiner, abc.ABC):
     """Bare module, rank 0's start, per-rank state in checkpoints, byte counting."""
 
     def __init__(self, options: Any = None, **kwargs: Any) -> None:

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from ..data import derive_seed
 from ..dist import DistEnv
-from .base import GradCombiner, option, refuse_loss_scaling, register_combiner
+from .base import CountingCombiner, option, refuse_loss_scaling, register_combiner
 from .compressors import COMPRESSORS, Context, create_compressor
 from .flat import average_buffers_, flat_grads, unflatten_
 
@@ -80,7 +80,7 @@ class _InFlight:
 
 
 @register_combiner("pipesgd", PipeSGDOptions)
-class PipeSGDCombiner(GradCombiner):
+class PipeSGDCombiner(CountingCombiner):
     """Pipe-SGD, width 2: apply the previous step's averaged gradient (see the module
     docstring)."""
 

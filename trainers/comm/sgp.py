@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..dist import DistEnv
-from .base import GradCombiner, option, refuse_loss_scaling, register_combiner
+from .base import CountingCombiner, option, refuse_loss_scaling, register_combiner
 from .flat import (
     exchange,
     flatten,
@@ -104,7 +104,7 @@ class _InFlight:
 
 
 @register_combiner("sgp", SGPOptions)
-class SGPCombiner(GradCombiner):
+class SGPCombiner(CountingCombiner):
     """Stochastic Gradient Push on the one-peer exponential graph (see the module docstring)."""
 
     summary = "gossip: push-sum to one peer per step (exponential graph)"
