@@ -293,8 +293,8 @@ def build_command(
         )
     script = str(REPO_ROOT / command[0])
     args = _set_flag(list(command[1:]), "--run-log", run_log)
-    if any(a == "--elastic-dir" or a.startswith("--elastic-dir=") for a in args):
-        # an elastic run's state directory must start empty
+    elastic = any(a == "--elastic-dir" or a.startswith("--elastic-dir=") for a in args)
+    if elastic:  # an elastic run's state directory must start empty
         args = _set_flag(args, "--elastic-dir", str(Path(run_log).parent / "elastic"))
     if max_steps is not None:
         args = _set_flag(args, "--max-steps", str(max_steps))
@@ -302,7 +302,6 @@ def build_command(
     if world_size > 1:
         # an elastic run's workers refuse torchrun's shared store (trainers.dist.check_launch):
         # launch it as the project's torchrun, which gives each rendezvous round a fresh one
-        elastic = any(a == "--elastic-dir" or a.startswith("--elastic-dir=") for a in args)
         runner = ["trainers.elastic", "torchrun"] if elastic else ["torch.distributed.run"]
         launcher = ["-m", *runner, "--standalone", "--nproc-per-node", str(world_size)]
         return [python, *launcher, script, *args]
