@@ -1,11 +1,11 @@
 """The speed cost of the portable exact mode, per recipe family.
 
 ``scripts/publish.py --portable`` publishes under ``trainers.logs.PORTABLE_EXACT_PINS``
-(oneDNN off, MKL's strict CNR at AVX2) instead of the usual ``PORTABLE_CPU_PINS``. Each round
-runs one short training command per family twice, once in each mode, in an order that
-alternates with the round, as subprocesses with the same thread count; the measure is the
-median ``samples_per_sec`` of the run log's step records (training steps only: start-up,
-data preparation and evaluations are left out).
+(oneDNN off, MKL's COMPATIBLE code branch, MKL_DYNAMIC off) instead of the usual
+``PORTABLE_CPU_PINS``. Each round runs one short training command per family twice, once in
+each mode, in an order that alternates with the round, as subprocesses with the same thread
+count; the measure is the median ``samples_per_sec`` of the run log's step records (training
+steps only: start-up, data preparation and evaluations are left out).
 
     python benchmarks/bench_portable.py [--rounds 5] [--threads 2] [--families resnest,bert]
 

@@ -157,11 +157,17 @@ def measure(log: Path, steps: int, python: str) -> dict[str, Any] | None:
     }
 
 
+def portable_tag(pins: dict[str, str] = PORTABLE_EXACT_PINS) -> str:
+    """The portable exact mode's name in trace file names, by its MKL branch (the switch that
+    changed): ``portable-compatible``; the first mode's traces are ``portable-avx2-strict``."""
+    return "portable-" + pins["MKL_CBWR"].lower().replace(",", "-")
+
+
 def trace_path(log: Path, cpu: dict[str, Any], *, portable: bool = False) -> Path:
-    """``logs/optrace/<recipe>-<seed>.<vendor>-<family>-<model>[.portable].json.gz``."""
+    """``logs/optrace/<recipe>-<seed>.<vendor>-<family>-<model>[.portable-<mkl branch>].json.gz``."""
     stem = f"{log.resolve().parent.name}-{log.stem}"
     machine = f"{cpu.get('vendor')}-{cpu.get('family')}-{cpu.get('model')}"
-    mode = ".portable" if portable else ""
+    mode = f".{portable_tag()}" if portable else ""
     return REPO_ROOT / "logs" / "optrace" / f"{stem}.{machine}{mode}.json.gz"
 
 

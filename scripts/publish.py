@@ -626,7 +626,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--portable",
         action="store_true",
         help="the portable exact mode (trainers.logs.PORTABLE_EXACT_PINS: oneDNN off, MKL's "
-        "strict CNR at AVX2; docs/run_logs.md): a trace meant to re-create on other x86-64 "
+        "COMPATIBLE branch; docs/run_logs.md): a trace meant to re-create on other x86-64 "
         "processor models, once scripts/cross_processor.py has verified it",
     )
     r.add_argument("--out-dir", default=None, help="default logs/<recipe>")

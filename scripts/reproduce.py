@@ -351,23 +351,42 @@ def processor_trace(log: Path, here: dict[str, Any]) -> Path | None:
     return path if path.is_file() else None
 
 
-def portable_evidence(log: Path, results: Path | None = None) -> str | None:
+def portable_evidence(log: Path, header: Record, results: Path | None = None) -> str | None:
     """The pairs of ``scripts/cross_processor.py`` (``results``, default
     ``logs/cross_processor.json``) that verify the portable exact mode for ``log``'s recipe
-    (the name of its folder): a log of that recipe made in the mode (``MODELZOO_PORTABLE=1``
-    among its pins) whose rerun on another processor model was identical in every compared
-    record. ``"made on A, rerun on B (N records)"``, or None."""
-    pairs = _pairs(results)
-    recipe = log.resolve().parent.name
+    (the name of its folder): a log of that recipe made in the mode, with the same pins as
+    ``log`` (the mode's switches changed once already), whose whole rerun on another processor
+    model was identical in every record. ``"made on A, rerun on B (N records)"``, or None."""
     found = [
-        _evidence(p)
-        for p in pairs
-        if Path(p.get("log", "")).parent.name == recipe
-        and (p.get("pins") or {}).get("MODELZOO_PORTABLE") == "1"
-        and p.get("publisher") != p.get("rerun")
-        and _identical_and_complete(p)
+        _evidence(p) for p in _portable_pairs(log, header, results) if _identical_and_complete(p)
     ]
     return "; ".join(found) or None
+
+
+def portable_refutation(log: Path, header: Record, results: Path | None = None) -> str | None:
+    """The pairs that refute the portable exact mode for ``log``'s recipe with ``log``'s pins:
+    a rerun on another processor model that differed. None without such a pair."""
+    found = [
+        f"{p['log']} made on {p['publisher']}, rerun on {p['rerun']}: first difference at "
+        f"{p.get('first_difference')}"
+        for p in _portable_pairs(log, header, results)
+        if p.get("records_identical") != p.get("records_compared")
+    ]
+    return "; ".join(found) or None
+
+
+def _portable_pairs(log: Path, header: Record, results: Path | None) -> list[dict[str, Any]]:
+    pins = {k: v for k, v in ((header.get("fingerprint") or {}).get("isa_pins") or {}).items() if v}
+    if pins.get("MODELZOO_PORTABLE") != "1":
+        return []
+    recipe = log.resolve().parent.name
+    return [
+        p
+        for p in _pairs(results)
+        if Path(p.get("log", "")).parent.name == recipe
+        and (p.get("pins") or {}) == pins
+        and p.get("publisher") != p.get("rerun")
+    ]
 
 
 def _pairs(results: Path | None) -> list[dict[str, Any]]:
@@ -589,9 +608,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rtol = rtol if args.rtol is None else args.rtol
     atol = atol if args.atol is None else args.atol
 
-    verified = portable_evidence(Path(args.log))
+    verified = portable_evidence(Path(args.log), header)
     here = native_fingerprint(args.python)
-    reason = not_comparable_reason(header.get("fingerprint"), here, portable_verified=verified)
+    reason = not_comparable_reason(
+        header.get("fingerprint"),
+        here,
+        portable_verified=verified,
+        portable_refuted=None if verified else portable_refutation(Path(args.log), header),
+    )
     if reason is None and verified and _other_processor(header, here):
         print(f"portable exact mode, verified across processors: {verified}", flush=True)
     if reason is not None and _other_processor(header, here):

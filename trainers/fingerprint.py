@@ -81,6 +81,7 @@ ISA_PIN_VARIABLES = (
     "ONEDNN_MAX_CPU_ISA",
     "MKL_CBWR",
     "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_DYNAMIC",
     "MODELZOO_PORTABLE",
 )
 
@@ -93,14 +94,19 @@ PORTABLE_CPU_PINS = {
 
 #: The portable exact mode (``scripts/publish.py --portable``): every kernel is ATen's own at
 #: AVX2 (oneDNN off: ``MODELZOO_PORTABLE=1`` sets ``torch.backends.mkldnn.enabled = False``
-#: when :mod:`trainers` is imported) or MKL's under conditional numerical reproducibility in
-#: its strict form (the same bits on every processor with AVX2, at a fixed thread count,
-#: whatever the alignment). oneDNN picks its kernels and blockings by processor; ATen's
-#: kernels depend on the pinned capability and the thread count only.
+#: when :mod:`trainers` is imported) or MKL's on its ``COMPATIBLE`` code branch, the one MKL
+#: documents as giving the same bits on Intel and non-Intel processors at a fixed thread count.
+#: Its ``AVX2`` branch is Intel-only (on other vendors MKL falls back to its AUTO dispatch):
+#: measured, the first mode (``MKL_CBWR=AVX2,STRICT``) parted between an AMD EPYC and an Intel
+#: Xeon at MKL's small-N ``sgemm`` in every family (docs/run_logs.md). ``MKL_DYNAMIC=FALSE``:
+#: MKL may not lower the thread count by itself (a CNR condition MKL names for runs on different
+#: systems). oneDNN picks its kernels and blockings by processor; ATen's kernels depend on
+#: the pinned capability and the thread count only.
 PORTABLE_EXACT_PINS = {
     "ATEN_CPU_CAPABILITY": "avx2",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
-    "MKL_CBWR": "AVX2,STRICT",
+    "MKL_CBWR": "COMPATIBLE",
+    "MKL_DYNAMIC": "FALSE",
     "MODELZOO_PORTABLE": "1",
 }
 
@@ -259,6 +265,7 @@ def not_comparable_reason(
     here: Mapping[str, Any],
     *,
     portable_verified: str | None = None,
+    portable_refuted: str | None = None,
 ) -> str | None:
     """Why a log with fingerprint ``recorded`` cannot be re-created exactly on the machine with
     fingerprint ``here`` (after re-applying the recorded threads and ISA pins), or None.
@@ -274,7 +281,9 @@ def not_comparable_reason(
     has ``MODELZOO_PORTABLE=1``) is exempt from the processor rule when
     ``portable_verified`` names the evidence that the mode holds for its recipe across
     processors (``scripts/reproduce.py`` reads it from ``logs/cross_processor.json``); without
-    it, the rule stands and the reason says the mode is not verified yet.
+    it, the rule stands and the reason says the mode is not verified yet, or, with
+    ``portable_refuted`` (a rerun on another processor model that differed), that it was
+    refuted for the recipe.
     """
     if not recorded:
         return (
@@ -314,6 +323,12 @@ def not_comparable_reason(
     if tuple(rec_cpu.get(k) for k in key) != tuple(cpu.get(k) for k in key):
         if portable and portable_verified:
             return None
+        if portable and portable_refuted:
+            return (
+                f"the log was made on {_processor(rec_cpu)} in the portable exact mode, this "
+                f"machine is {_processor(cpu)}, and a rerun on another processor model refuted "
+                f"the mode for this recipe ({portable_refuted}; docs/run_logs.md)"
+            )
         if portable:
             return (
                 f"the log was made on {_processor(rec_cpu)} in the portable exact mode, this "

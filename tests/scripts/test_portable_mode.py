@@ -12,12 +12,22 @@ import sys
 import pytest
 
 from trainers.fingerprint import not_comparable_reason
-from trainers.logs import ISA_PIN_VARIABLES, PORTABLE_CPU_PINS, PORTABLE_EXACT_PINS
+from trainers.logs import (
+    ISA_PIN_VARIABLES,
+    PORTABLE_CPU_PINS,
+    PORTABLE_EXACT_PINS,
+    machine_fingerprint,
+)
 
 from ._scripts import ROOT, load_script, read_records
 
 INTEL = {"arch": "x86_64", "vendor": "GenuineIntel", "family": 6, "model": 207,
          "model_name": "Intel(R) Xeon(R) Processor", "flags": ["avx", "avx2", "fma"]}  # fmt: skip
+AMD = {"arch": "x86_64", "vendor": "AuthenticAMD", "family": 25, "model": 17,
+       "model_name": "AMD EPYC", "flags": ["avx", "avx2", "fma"]}  # fmt: skip
+# The processor the logs' headers are forged to: another model than this machine's (the
+# development machines are Intel or AMD).
+ELSEWHERE = AMD if machine_fingerprint()["cpu"].get("vendor") == "GenuineIntel" else INTEL
 
 
 def _fingerprint(pins: dict[str, str]) -> dict:
@@ -33,13 +43,15 @@ def test_the_mode_turns_onednn_off_and_the_fingerprint_records_it():
     portable, pinned = _fingerprint(PORTABLE_EXACT_PINS), _fingerprint(PORTABLE_CPU_PINS)
     assert portable["onednn"] is False and pinned["onednn"] is True
     assert portable["isa_pins"]["MODELZOO_PORTABLE"] == "1"
-    assert portable["isa_pins"]["MKL_CBWR"] == "AVX2,STRICT"
+    # MKL's only branch documented for non-Intel processors; AVX2 is Intel-only (refuted here)
+    assert portable["isa_pins"]["MKL_CBWR"] == "COMPATIBLE"
+    assert portable["isa_pins"]["MKL_DYNAMIC"] == "FALSE"
     assert pinned["isa_pins"]["MODELZOO_PORTABLE"] is None
 
 
 def test_only_a_verified_portable_log_escapes_the_processor_rule():
     here = _fingerprint(PORTABLE_EXACT_PINS)
-    forged = {**here, "cpu": INTEL}
+    forged = {**here, "cpu": ELSEWHERE}
     unverified = not_comparable_reason(forged, here)
     assert unverified is not None and "not" in unverified and "portable" in unverified
     assert not_comparable_reason(forged, here, portable_verified="made on A, rerun on B") is None
@@ -66,24 +78,25 @@ def _linear_log(tmp_path, *, portable: bool):
 
 @pytest.fixture
 def portable_log(tmp_path):
-    """A real portable run of a linear recipe made here, its header forged to an Intel Xeon."""
+    """A real portable run of a linear recipe made here, its header forged to another processor."""
     log = _linear_log(tmp_path, portable=True)
     records = read_records(log)
     assert records[0]["fingerprint"]["isa_pins"]["MODELZOO_PORTABLE"] == "1"
 
     def forge(pins: dict[str, str]) -> None:
         header = dict(records[0])
-        header["fingerprint"] = {**header["fingerprint"], "cpu": INTEL,
+        header["fingerprint"] = {**header["fingerprint"], "cpu": ELSEWHERE,
                                  "isa_pins": {**dict.fromkeys(ISA_PIN_VARIABLES), **pins}}  # fmt: skip
         log.write_text("".join(json.dumps(r) + "\n" for r in [header, *records[1:]]))
 
     return log, forge
 
 
-def _pair(log, *, identical: bool = True) -> dict:
+def _pair(log, *, identical: bool = True, pins: dict[str, str] = PORTABLE_EXACT_PINS) -> dict:
     return {"log": f"logs/{log.parent.name}/seed0.jsonl", "publisher": "AuthenticAMD 25/17 (AMD EPYC)",
-            "rerun": "GenuineIntel 6/207 (Intel(R) Xeon(R) Processor)", "pins": PORTABLE_EXACT_PINS,
+            "rerun": "GenuineIntel 6/207 (Intel(R) Xeon(R) Processor)", "pins": pins,
             "records_compared": 5, "records_identical": 5 if identical else 4, "missing": [],
+            "first_difference": None if identical else "step epoch=0 step=3",
             "complete": True}  # fmt: skip
 
 
@@ -97,8 +110,20 @@ def test_a_verified_portable_log_from_another_processor_is_re_created_exactly(
     monkeypatch.setattr(reproduce, "CROSS_PROCESSOR", results)
     forge(PORTABLE_EXACT_PINS)
 
+    results.write_text(json.dumps({"pairs": []}))
+    assert reproduce.main([str(log), "--max-steps", "5"]) == 4  # no pair yet
+    assert "has verified the mode for this recipe yet" in capsys.readouterr().out
+
     results.write_text(json.dumps({"pairs": [_pair(log, identical=False)]}))
     assert reproduce.main([str(log), "--max-steps", "5"]) == 4  # a pair that differed
+    out = capsys.readouterr().out
+    assert "refuted the mode for this recipe" in out and "step epoch=0 step=3" in out
+
+    # an identical pair of another mode's pins (the first mode: MKL's AVX2 branch) is no evidence
+    first_mode = {**PORTABLE_EXACT_PINS, "MKL_CBWR": "AVX2,STRICT"}
+    first_mode.pop("MKL_DYNAMIC")
+    results.write_text(json.dumps({"pairs": [_pair(log, pins=first_mode)]}))
+    assert reproduce.main([str(log), "--max-steps", "5"]) == 4
     assert "has verified the mode for this recipe yet" in capsys.readouterr().out
 
     results.write_text(json.dumps({"pairs": [_pair(log)]}))
@@ -120,7 +145,7 @@ def test_a_log_from_another_processor_compares_with_this_processors_trace(tmp_pa
     records = read_records(log)
     here = records[0]["fingerprint"]["cpu"]
     header = dict(records[0])
-    header["fingerprint"] = {**header["fingerprint"], "cpu": INTEL}
+    header["fingerprint"] = {**header["fingerprint"], "cpu": ELSEWHERE}
     log.write_text("".join(json.dumps(r) + "\n" for r in [header, *records[1:]]))
     assert reproduce.main([str(log), "--max-steps", "5"]) == 4  # no trace for this processor
     capsys.readouterr()
@@ -153,11 +178,11 @@ def test_a_pair_shown_identical_lets_that_processor_models_logs_be_re_created(
     records = read_records(log)
     here = records[0]["fingerprint"]
     header = dict(records[0])
-    header["fingerprint"] = {**here, "cpu": INTEL}
+    header["fingerprint"] = {**here, "cpu": ELSEWHERE}
     log.write_text("".join(json.dumps(r) + "\n" for r in [header, *records[1:]]))
     pins = {k: v for k, v in here["isa_pins"].items() if v}
     pair = {"log": f"logs/{log.parent.name}/seed3.jsonl",
-            "publisher": reproduce.processor_name(INTEL),
+            "publisher": reproduce.processor_name(ELSEWHERE),
             "rerun": reproduce.processor_name(here["cpu"]), "pins": pins,
             "records_compared": 9, "records_identical": 9, "missing": [], "complete": True}  # fmt: skip
     for other in ({"rerun": "AuthenticAMD 23/49 (AMD EPYC 7742)"}, {"complete": False},
