@@ -163,26 +163,46 @@ def portable_tag(pins: dict[str, str] = PORTABLE_EXACT_PINS) -> str:
     return "portable-" + pins["MKL_CBWR"].lower().replace(",", "-")
 
 
-def trace_path(log: Path, cpu: dict[str, Any], *, portable: bool = False) -> Path:
-    """``logs/optrace/<recipe>-<seed>.<vendor>-<family>-<model>[.portable-<mkl branch>].json.gz``."""
+def trace_path(
+    log: Path, cpu: dict[str, Any], *, portable: bool = False, pins: dict[str, str] | None = None
+) -> Path:
+    """``logs/optrace/<recipe>-<seed>.<vendor>-<family>-<model>[.<mode>].json.gz``: the mode
+    is ``portable-<mkl branch>`` and/or the ``--pins`` overrides (``pins-mkl_cbwr=compatible``)."""
     stem = f"{log.resolve().parent.name}-{log.stem}"
     machine = f"{cpu.get('vendor')}-{cpu.get('family')}-{cpu.get('model')}"
-    mode = f".{portable_tag()}" if portable else ""
+    parts = [portable_tag()] if portable else []
+    if pins:
+        parts.append("pins-" + "-".join(f"{k.lower()}={v.lower().replace(',', '-')}"
+                                        for k, v in sorted(pins.items())))  # fmt: skip
+    mode = "".join(f".{part}" for part in parts)
     return REPO_ROOT / "logs" / "optrace" / f"{stem}.{machine}{mode}.json.gz"
 
 
-def record_trace(log: Path, steps: int, python: str, *, portable: bool = False) -> Path:
+def record_trace(
+    log: Path,
+    steps: int,
+    python: str,
+    *,
+    portable: bool = False,
+    pins: dict[str, str] | None = None,
+) -> Path:
     """Record the operator trace (:mod:`trainers.optrace`) of the first ``steps`` steps of
     ``log``'s command, under its recorded threads and pins (with ``portable``: the portable
-    exact mode's pins instead), into :func:`trace_path`."""
+    exact mode's pins instead; ``pins`` then overrides single variables, an empty value unsets
+    one: a candidate mode two machines can compare), into :func:`trace_path`."""
     original = reproduce.read_log(str(log))
     header = original[0]
     here = reproduce.native_fingerprint(python)
-    out = trace_path(log, here.get("cpu") or {}, portable=portable)
+    out = trace_path(log, here.get("cpu") or {}, portable=portable, pins=pins)
     env = reproduce.rerun_env(header, pins=True)
     if portable:
         env = {k: v for k, v in env.items() if k not in ISA_PIN_VARIABLES}
         env.update(PORTABLE_EXACT_PINS)
+    for name, value in (pins or {}).items():
+        if value:
+            env[name] = value
+        else:
+            env.pop(name, None)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="optrace-") as tmp:
         command = reproduce.build_command(header, str(Path(tmp) / "r.jsonl"), max_steps=steps,
@@ -194,13 +214,18 @@ def record_trace(log: Path, steps: int, python: str, *, portable: bool = False) 
         traced = [python, "-m", "trainers.optrace", "record", str(out), "--",
                   *command[script_at:]]  # fmt: skip
         print(f"{log}: recording the operator trace of {steps} step(s) -> "
-              f"{out.relative_to(REPO_ROOT)}", flush=True)  # fmt: skip
+              f"{_shown(out)}", flush=True)  # fmt: skip
         result = subprocess.run(traced, cwd=REPO_ROOT, env=env, check=False,
                                 capture_output=True, text=True)  # fmt: skip
         if result.returncode != 0:
             tail = "\n".join(result.stderr.strip().splitlines()[-5:])
             raise RuntimeError(f"{log}: the traced run failed (exit {result.returncode}):\n{tail}")
     return out
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository where it lies inside it."""
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
 def add_trace(log: Path, python: str) -> Path | None:
@@ -288,6 +313,27 @@ def write_table(pairs: Sequence[dict[str, Any]], doc: Path = DOC) -> None:
     atomic_write_text(doc, head + START + table(pairs) + rest[rest.index(END) :])
 
 
+def parse_pins(text: str, error: Any) -> dict[str, str]:
+    """``"MKL_CBWR=COMPATIBLE,MODELZOO_PORTABLE="`` -> ``{"MKL_CBWR": "COMPATIBLE",
+    "MODELZOO_PORTABLE": ""}``; ``error`` (argparse's) for anything else. A value may hold a
+    comma (``MKL_CBWR=AVX2,STRICT``): a piece without ``=`` continues the value before it."""
+    pins: dict[str, str] = {}
+    last = None
+    for piece in text.split(","):
+        name, eq, value = piece.partition("=")
+        if not eq:
+            if last is None:
+                error(f"--pins {text!r}: expected NAME=VALUE,... (e.g. MKL_CBWR=COMPATIBLE)")
+            pins[last] += "," + piece
+            continue
+        if name not in ISA_PIN_VARIABLES:
+            error(f"--pins: {name!r} is not an ISA pin; one of {', '.join(ISA_PIN_VARIABLES)}")
+        pins[name], last = value, name
+    if not pins:
+        error(f"--pins {text!r}: expected NAME=VALUE,... (e.g. MKL_CBWR=COMPATIBLE)")
+    return pins
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("logs", nargs="*", help="run logs (default: one of each family)")
@@ -301,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--portable", action="store_true",
                    help="with --optrace: record in the portable exact mode "
                    "(trainers.logs.PORTABLE_EXACT_PINS) instead of the log's pins")  # fmt: skip
+    p.add_argument("--pins", default=None, metavar="NAME=VALUE,...",
+                   help="with --optrace: override these ISA pins (an empty value unsets one), "
+                   "e.g. MODELZOO_PORTABLE= to trace the portable mode with oneDNN on; the "
+                   "trace's file name carries them")  # fmt: skip
     p.add_argument("--add-trace", action="store_true",
                    help="instead rerun each whole log here and publish it as this processor "
                    "model's trace of the run (scripts/reproduce.py compares with it here)")  # fmt: skip
@@ -313,8 +363,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"{log}: no such run log")
             add_trace(log, args.python)
         return 0
-    if args.portable and not args.optrace:
-        p.error("--portable goes with --optrace (a log's own pins decide a rerun's mode)")
+    if (args.portable or args.pins is not None) and not args.optrace:
+        p.error("--portable and --pins go with --optrace (a log's own pins decide a rerun's mode)")
+    pins = parse_pins(args.pins, p.error) if args.pins is not None else None
     if args.steps < 1:
         p.error(f"--steps {args.steps}: must be >= 1")
     if args.optrace:
@@ -326,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{log}: {world_size} processes; "
                       "an operator trace records one: skipped")  # fmt: skip
                 continue
-            record_trace(log, args.steps, args.python, portable=args.portable)
+            record_trace(log, args.steps, args.python, portable=args.portable, pins=pins)
         return 0
     pairs = load_results()
     if not args.table:

@@ -1,0 +1,85 @@
+"""scripts/cross_processor.py's operator traces under candidate pins (issue 43): ``--pins``
+overrides single ISA pins of a traced run, the trace's file name and its recorded fingerprint
+say which, and bad values are refused with one line."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trainers.logs import PORTABLE_EXACT_PINS
+
+from ._scripts import ROOT, load_script
+
+cross_processor = load_script("cross_processor", "cross_processor_test")
+
+
+def _error(message):
+    raise SystemExit(message)
+
+
+def test_pins_parse_with_commas_inside_values_and_empty_values_unset():
+    parse = cross_processor.parse_pins
+    assert parse("MKL_CBWR=AVX2,STRICT,MODELZOO_PORTABLE=", _error) == {
+        "MKL_CBWR": "AVX2,STRICT",
+        "MODELZOO_PORTABLE": "",
+    }
+    assert parse("MKL_CBWR=COMPATIBLE", _error) == {"MKL_CBWR": "COMPATIBLE"}
+    with pytest.raises(SystemExit, match="not an ISA pin"):
+        parse("OMP_NUM_THREADS=4", _error)
+    with pytest.raises(SystemExit, match="expected NAME=VALUE"):
+        parse("COMPATIBLE", _error)
+
+
+def test_the_trace_name_carries_the_mode_and_the_overrides(tmp_path):
+    log = tmp_path / "karate_gcn" / "seed0.jsonl"
+    cpu = {"vendor": "GenuineIntel", "family": 6, "model": 207}
+    plain = cross_processor.trace_path(log, cpu)
+    assert plain.name == "karate_gcn-seed0.GenuineIntel-6-207.json.gz"
+    portable = cross_processor.trace_path(log, cpu, portable=True)
+    branch = PORTABLE_EXACT_PINS["MKL_CBWR"].lower()
+    assert portable.name == f"karate_gcn-seed0.GenuineIntel-6-207.portable-{branch}.json.gz"
+    candidate = cross_processor.trace_path(
+        log, cpu, portable=True, pins={"MODELZOO_PORTABLE": "", "MKL_CBWR": "AVX2,STRICT"}
+    )
+    assert candidate.name.endswith(
+        f".portable-{branch}.pins-mkl_cbwr=avx2-strict-modelzoo_portable=.json.gz"
+    )
+
+
+def test_a_bad_pins_flag_is_one_line_and_exit_2():
+    done = subprocess.run(
+        [sys.executable, "scripts/cross_processor.py", "--optrace", "--pins", "FOO=1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert "'FOO' is not an ISA pin" in done.stderr and "Traceback" not in done.stderr
+    done = subprocess.run(
+        [sys.executable, "scripts/cross_processor.py", "--pins", "MKL_CBWR=COMPATIBLE"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "go with --optrace" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_traced_run_runs_under_the_overridden_pins(tmp_path, monkeypatch):
+    """A real traced step of the published L-BFGS recipe, in the portable mode with oneDNN
+    turned back on by ``MODELZOO_PORTABLE=``: the trace's fingerprint shows both."""
+    log = ROOT / "logs" / "linear_breast_cancer_lbfgs" / "seed0.jsonl"
+    out = tmp_path / "trace.json.gz"
+    monkeypatch.setattr(cross_processor, "trace_path", lambda *a, **k: out)
+    cross_processor.record_trace(
+        log, 1, sys.executable, portable=True, pins={"MODELZOO_PORTABLE": ""}
+    )
+    meta = json.loads(gzip.decompress(out.read_bytes()))["meta"]
+    pins = {k: v for k, v in meta["fingerprint"]["isa_pins"].items() if v}
+    assert pins == {k: v for k, v in PORTABLE_EXACT_PINS.items() if k != "MODELZOO_PORTABLE"}
+    assert meta["fingerprint"]["onednn"] is True
