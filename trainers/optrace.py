@@ -162,29 +162,47 @@ def load_trace(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[OpRec
     return body["meta"], [OpRecord(*r) for r in body["records"]]
 
 
+#: Operators that allocate, rebind storage or mark profiler ranges: without a digest they
+#: compute nothing, and how many run can depend on timing (a DataLoader's workers hand over
+#: batches ahead of use, each rebuilt in the main process by ``empty`` + ``set_``).
+BOOKKEEPING = ("aten.empty", "aten.new_empty", "aten.set_.", "profiler.")
+
+
+def _computes(r: OpRecord) -> bool:
+    return bool(r.digest) or not r.op.startswith(BOOKKEEPING)
+
+
 def first_difference(a: Sequence[OpRecord], b: Sequence[OpRecord]) -> dict[str, Any] | None:
     """Where two recordings of the same code part ways, or None when every record matches.
 
-    Returns ``{"index", "kind", "a", "b", "differing_after"}``: ``kind`` is ``"values"``
+    Bookkeeping records (:data:`BOOKKEEPING` with no digest) are left out of the comparison.
+    Returns ``{"index", "index_b", "kind", "a", "b", "differing_after"}``: ``index`` and
+    ``index_b`` are the record's positions in ``a`` and ``b``; ``kind`` is ``"values"``
     (the same operator on the same shapes gave different bytes: that kernel computes
     differently, its inputs being identical), ``"path"`` (another operator or shape: the code
     took another branch, e.g. another kernel selection visible at the ATen level) or
     ``"length"`` (one recording stops early); ``differing_after`` counts later records whose
     digests differ too.
     """
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+    ka = [(i, r) for i, r in enumerate(a) if _computes(r)]
+    kb = [(i, r) for i, r in enumerate(b) if _computes(r)]
+    for n, ((i, x), (j, y)) in enumerate(zip(ka, kb, strict=False)):
         if (x.op, x.shapes) != (y.op, y.shapes):
             kind = "path"
         elif x.digest != y.digest:
             kind = "values"
         else:
             continue
-        later = sum(p.digest != q.digest for p, q in zip(a[i + 1 :], b[i + 1 :], strict=False))
-        return {"index": i, "kind": kind, "a": x, "b": y, "differing_after": later}
-    if len(a) != len(b):
-        i = min(len(a), len(b))
-        return {"index": i, "kind": "length", "a": a[i] if i < len(a) else None,
-                "b": b[i] if i < len(b) else None, "differing_after": 0}  # fmt: skip
+        later = sum(
+            p.digest != q.digest for (_, p), (_, q) in zip(ka[n + 1 :], kb[n + 1 :], strict=False)
+        )
+        return {"index": i, "index_b": j, "kind": kind, "a": x, "b": y, "differing_after": later}
+    if len(ka) != len(kb):
+        n = min(len(ka), len(kb))
+        i = ka[n][0] if n < len(ka) else len(a)
+        j = kb[n][0] if n < len(kb) else len(b)
+        return {"index": i, "index_b": j, "kind": "length", "a": a[i] if i < len(a) else None,
+                "b": b[j] if j < len(b) else None, "differing_after": 0}  # fmt: skip
     return None
 
 
@@ -247,7 +265,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if found is None:
         print(f"optrace: identical ({len(a)} operator calls)")
         return 0
-    print(f"optrace: first difference at operator call {found['index']} of {len(a)}/{len(b)} "
+    at = (
+        found["index"]
+        if found["index"] == found["index_b"]
+        else f"{found['index']}/{found['index_b']}"
+    )
+    print(f"optrace: first difference at operator call {at} of {len(a)}/{len(b)} "
           f"({found['kind']}; {found['differing_after']} later calls differ too)\n"
           f"  {args.a}: {_describe(found['a'])}\n  {args.b}: {_describe(found['b'])}")  # fmt: skip
     return 1

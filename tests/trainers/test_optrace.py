@@ -61,6 +61,30 @@ def test_another_path_and_a_shorter_trace_are_told_apart():
     assert first_difference(a, a[:-2])["kind"] == "length"
 
 
+def test_bookkeeping_a_data_loader_does_ahead_of_time_is_not_a_difference():
+    """A DataLoader's worker can hand over one batch more before a step on one machine (each
+    rebuilt by empty + set_ under a profiler range): no computation, so no difference; a
+    value that differs after it is still found, at its own position in each trace."""
+    a = _record("none").records
+    R = type(a[0])
+    handover = [R("profiler._record_function_enter_new.default", "", "", "x.py:1"),
+                R("aten.empty.memory_format", "float32[0]", "", "x.py:1"),
+                R("aten.set_.source_Storage_storage_offset", "float32[64, 3]", "", "x.py:1"),
+                R("profiler._record_function_exit._RecordFunction", "", "", "x.py:1")]  # fmt: skip
+    b = a[:2] + handover + a[2:]
+    assert first_difference(a, b) is None
+    changed = list(b)
+    last = len(changed) - 1
+    changed[last] = R(b[last].op, b[last].shapes, "0" * 16, b[last].where)
+    found = first_difference(a, changed)
+    assert found["kind"] == "values"
+    assert (found["index"], found["index_b"]) == (len(a) - 1, last)
+    # a computing operator without a digest (no tensor output) still counts
+    other = list(a)
+    other[2] = R("aten._local_scalar_dense.default", "", "", "x.py:1")
+    assert first_difference(a, other)["kind"] == "path"
+
+
 def test_trace_files_round_trip(tmp_path):
     rec = _record("none")
     path = save_trace(tmp_path / "t.json.gz", rec.records, command=["x.py"])
