@@ -142,9 +142,23 @@ def measure(log: Path, steps: int, python: str) -> dict[str, Any] | None:
             tail = "\n".join(result.stderr.strip().splitlines()[-5:])
             raise RuntimeError(f"{log}: the rerun failed (exit {result.returncode}):\n{tail}")
         rerun = reproduce.read_log(run_log)
+    return pair_entry(log, header, here, original, rerun, steps)
+
+
+def pair_entry(
+    log: Path,
+    header: dict[str, Any],
+    here: dict[str, Any],
+    original: Sequence[dict],
+    rerun: Sequence[dict],
+    steps: int,
+) -> dict[str, Any]:
+    """The pair (``logs/cross_processor.json``) of ``log`` (``original``, its records with the
+    header) and its rerun here (``rerun``) over ``steps`` steps."""
+    fingerprint = header.get("fingerprint") or {}
     pins = fingerprint.get("isa_pins") or {}
     return {
-        "log": str(log.resolve().relative_to(REPO_ROOT)),
+        "log": _shown(log.resolve()),
         "publisher": processor(fingerprint.get("cpu") or {}),
         "rerun": processor(here.get("cpu") or {}),
         "pins": {k: v for k, v in pins.items() if v},
@@ -258,6 +272,12 @@ def add_trace(log: Path, python: str) -> Path | None:
                 f"{log}: the rerun did not finish (exit {result.returncode}):\n{tail}"
             )
         run_log.replace(out)  # the folder's own rename: a trace is whole or absent
+    entry = pair_entry(log, header, here, original, records, int(reproduce._last_step(records)))
+    print(f"  {entry['records_identical']}/{entry['records_compared']} records identical to the "
+          f"published log; first difference: {entry['first_difference'] or 'none'}")  # fmt: skip
+    pairs = merge(load_results(RESULTS), entry)  # the whole log rerun here: a pair, too
+    atomic_write_text(RESULTS, json.dumps({"pairs": pairs}, indent=1) + "\n")
+    write_table(pairs, DOC)
     ends = [[r for r in recs if r.get("kind") == "end"][-1] for recs in (original, records)]
     shown = [k for k, v in ends[0].items() if reproduce._is_number(v)
              and k not in reproduce.TIMING_FIELDS]  # fmt: skip

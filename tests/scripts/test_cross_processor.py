@@ -83,3 +83,33 @@ def test_a_traced_run_runs_under_the_overridden_pins(tmp_path, monkeypatch):
     pins = {k: v for k, v in meta["fingerprint"]["isa_pins"].items() if v}
     assert pins == {k: v for k, v in PORTABLE_EXACT_PINS.items() if k != "MODELZOO_PORTABLE"}
     assert meta["fingerprint"]["onednn"] is True
+
+
+@pytest.mark.slow
+def test_a_processor_trace_is_also_a_pair(tmp_path, monkeypatch):
+    """--add-trace reruns a whole log made on another processor model: it writes this model's
+    trace and records the comparison as a pair (whole log, every record), identical or not."""
+    from .test_portable_mode import ELSEWHERE, _linear_log
+
+    log = _linear_log(tmp_path, portable=False)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    records[0]["fingerprint"] = {**records[0]["fingerprint"], "cpu": ELSEWHERE}
+    step = next(r for r in records if r.get("kind") == "step" and r.get("step", 0) >= 3)
+    step["loss"] *= 1.01  # the published run differs from what this machine computes there
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    results, doc = tmp_path / "pairs.json", tmp_path / "doc.md"
+    doc.write_text(f"x\n{cross_processor.START}{cross_processor.END}\ny\n")
+    monkeypatch.setattr(cross_processor, "RESULTS", results)
+    monkeypatch.setattr(cross_processor, "DOC", doc)
+
+    out = cross_processor.add_trace(log, sys.executable)
+    assert out is not None and out.is_file()
+    (pair,) = json.loads(results.read_text())["pairs"]
+    assert pair["complete"] and pair["records_compared"] == len(records) - 1
+    assert pair["records_identical"] == pair["records_compared"] - 1
+    assert (
+        pair["first_difference"].startswith("step")
+        and str(step["step"]) in pair["first_difference"]
+    )
+    assert pair["publisher"] == cross_processor.processor(ELSEWHERE)
+    assert str(log) in doc.read_text()  # the docs table, regenerated
