@@ -162,6 +162,7 @@ def _tiny_set(path: Path) -> Path:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_two_processes_train_and_score_every_question_once(tmp_path):
     """2 workers train (DDP over the whole QA model) and evaluate disjoint halves of the
     questions; the gathered predictions and the all-reduced EM/F1 equal one process's
@@ -202,6 +203,7 @@ F1_AFTER_AT_LEAST = 40.0
 
 
 @pytest.mark.usefixtures("isolated_home")
+@pytest.mark.slow
 def test_fine_tuning_minilm_beats_the_untuned_model_on_held_out_questions(tmp_path):
     """Real weights, real text: one function per paragraph of stdlib docstrings; the dev
     questions are about modules the model never saw."""
@@ -249,6 +251,7 @@ def test_fine_tuning_minilm_beats_the_untuned_model_on_held_out_questions(tmp_pa
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_model_parallel_fine_tuning_equals_one_process(tmp_path):
     """The planner's plan (``--plan``: on a 1 Gbps link it picks 2 GPipe stages of 2
     micro-batches, boundaries from the profile) on 2 processes (one replica split in two),

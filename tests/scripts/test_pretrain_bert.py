@@ -294,6 +294,7 @@ def test_published_large_batch_runs_compare_with_adam_at_equal_samples(name, rat
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_model_parallel_pretraining_equals_one_process(work, tmp_path):
     """``--tensor-parallel 2`` and ``--pipeline-parallel 2`` (the masked-LM decoder on the
     last stage tied to the embeddings on the first) on 2 processes, and both at once on 4

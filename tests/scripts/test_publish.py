@@ -308,6 +308,7 @@ def test_every_recipe_states_its_trivial_level_and_baseline(fake_repo):
     assert "| 50.00 % | `fake`: 91.00 % |" in table  # trivial level, the baseline's mean
 
 
+@pytest.mark.slow
 def test_a_claim_at_the_trivial_level_is_refused(fake_repo, capsys):
     claims = fake_repo / "logs" / "claims.json"
     # every seed at or below the level a constant predictor reaches
@@ -325,6 +326,7 @@ def test_a_claim_at_the_trivial_level_is_refused(fake_repo, capsys):
     assert "--baseline nope: no such recipe" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_failure_is_published_as_a_negative_result_listed_apart(fake_repo):
     claims = fake_repo / "logs" / "claims.json"
     command = ("scripts/fake.py", "--trivial", "0.1", "--base", "0.1")  # 0.10, 0.11, 0.12

@@ -267,6 +267,7 @@ def test_a_baseline_is_the_plain_recipe_of_the_same_task(name):
         assert base["trivial"] == entry["trivial"]
 
 
+@pytest.mark.slow
 def test_claims_file_and_docs_tables_agree_with_the_logs():
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "publish.py"), "check"],
@@ -403,6 +404,7 @@ def test_every_published_command_still_resolves_to_its_recorded_configs(capsys):
     assert checked >= 100 and len(unparsed) < checked / 4, (checked, unparsed)
 
 
+@pytest.mark.slow
 def test_a_rerun_with_another_configuration_fails_naming_the_setting(tmp_path):
     """karate_gcn's log (made on this project's AMD machines) with its recorded weight decay
     changed: the command now resolves to another value, and reproduce.py says which."""

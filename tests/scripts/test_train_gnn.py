@@ -95,6 +95,7 @@ def test_every_node_model_trains_on_karate(script, tmp_path, model, extra):
 
 
 @pytest.mark.usefixtures("isolated_home")
+@pytest.mark.slow
 def test_gin_learns_the_sbm_graph_classes(script, tmp_path):
     records = _run(script, tmp_path, "gin", "--model", "gin_sbm", "--dataset", "sbm_graphs",
                    "--sbm-graphs", "200", "--batch-size", "32", "--num-epochs", "24",
@@ -103,6 +104,7 @@ def test_gin_learns_the_sbm_graph_classes(script, tmp_path):
 
 
 @pytest.mark.usefixtures("isolated_home")
+@pytest.mark.slow
 def test_minibatch_matches_full_graph_on_an_sbm_graph(script, tmp_path):
     common = ["--model", "graphsage_mean", "--dataset", "sbm", "--sbm-nodes", "3000",
               "--hidden", "32", "--lr", "0.01", "--data-seed", "2"]  # fmt: skip

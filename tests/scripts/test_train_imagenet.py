@@ -49,6 +49,7 @@ def _folder(root: Path, per_class: int = 4) -> Path:
 
 
 @pytest.mark.usefixtures("isolated_home")
+@pytest.mark.slow
 def test_truncated_jpeg_names_the_file_or_is_skipped(tmp_path, capsys):
     data = _folder(tmp_path / "data")
     bad = data / "train" / "cat" / "broken.jpg"
@@ -101,6 +102,7 @@ def _steps(path: Path) -> list[dict]:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
     """2 workers x 32 == 1 worker x 64 in data order and initial weights; with the same
     BatchNorm partition (1 worker x 32 x accumulate 2) the losses agree to float precision,

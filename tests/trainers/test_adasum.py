@@ -170,6 +170,7 @@ def test_near_overflow_magnitudes(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.slow
 def test_fused_dots_match_the_blas_dots_and_numpy(dtype, monkeypatch):
     """The compiled one-pass kernel (long spans on CPU) against the chunked BLAS path and
     numpy in float64: exact products, float64 sums (only the summation order differs)."""

@@ -78,6 +78,7 @@ def test_matching_is_shared_and_perfect(n):
 
 # -- SGP -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("world", ["two", "four", "eight"])
+@pytest.mark.slow
 def test_sgp_gives_the_exact_average_after_log2_n_rounds(world, request):
     ranks = request.getfixturevalue(world)
     n = len(ranks)

@@ -296,6 +296,7 @@ def test_flags_build_the_hook():
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_two_ranks_average_the_synchronized_weights_and_evaluate_rank_zeros(tmp_path):
     from tests.trainers._launch import run_ranks
 

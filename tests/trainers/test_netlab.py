@@ -222,6 +222,7 @@ def test_a_short_cut_of_a_static_job_changes_its_time_not_its_trace(tmp_path, lo
     assert _records(log) == loopback_digits
 
 
+@pytest.mark.slow
 def test_refusals_are_one_line_with_exit_2(tmp_path):
     cases = [
         (["up", "--nodes", "2", "--slow-node", "5:100mbit", "--name", _name("r")], "--slow-node 5"),
@@ -261,6 +262,7 @@ def test_an_existing_lab_is_refused_and_down_removes_it_by_its_prefix():
     assert name not in list_labs()
 
 
+@pytest.mark.slow
 def test_a_job_that_outlives_its_timeout_is_stopped_and_the_lab_removed(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text("import time\ntime.sleep(600)\n")

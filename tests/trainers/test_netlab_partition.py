@@ -244,6 +244,7 @@ def test_watchdog_fires_when_the_store_stops_answering():
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_torchrun_sharing_its_store_is_refused_and_the_project_launcher_is_not(tmp_path):
     """Real torchrun agents: with torchrun's default (one shared store for every round) a
     restartable job stops at once with the one-line fix; ``python -m trainers.elastic

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from trainers.optrace import OpRecorder, first_difference, load_trace, save_trace
@@ -92,6 +93,7 @@ def test_trace_files_round_trip(tmp_path):
     assert meta == {"command": ["x.py"]} and records == rec.records
 
 
+@pytest.mark.slow
 def test_the_command_line_records_a_script_and_names_the_kernel(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(

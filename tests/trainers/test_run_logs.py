@@ -55,7 +55,8 @@ def test_jsonl_records(tmp_path):
     assert {"python", "modelzoo", "Pillow", "scikit-learn", "tokenizers", "torch_geometric",
             "safetensors"} <= set(fp["versions"])  # fmt: skip
     assert set(fp["isa_pins"]) == {"ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR",
-                                   "MKL_ENABLE_INSTRUCTIONS", "MODELZOO_PORTABLE"}  # fmt: skip
+                                   "MKL_ENABLE_INSTRUCTIONS", "MKL_DYNAMIC",
+                                   "MODELZOO_PORTABLE"}  # fmt: skip
     assert fp["onednn"] is torch.backends.mkldnn.enabled
     assert fp["device"]["type"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert header["git"] is None or re.fullmatch(r"[0-9a-f]{40}", header["git"])

@@ -117,7 +117,10 @@ def test_trainer_dp_by_tp_equals_one_process_and_resumes_bit_for_bit(measured):
     optimizer state) and resuming from it continues bit for bit."""
     world, res, _ = measured
     dp = world // 2
-    check_trainer(res, f"trainer_dp{dp}")
+    # LAMB's trust ratio divides too: the split fp64 sums' rounding after the whole run was
+    # below 1e-12 on AMD EPYCs and 5.8e-12 on an Intel Xeon (AVX512 kernels); a sharding
+    # error shows at 1e-2.
+    check_trainer(res, f"trainer_dp{dp}", final_tol=1e-10)
     if world == 2:  # torch's AdamW, whose state for a DTensor parameter is a DTensor
         # Adam divides by sqrt(v): where a gradient is near zero (the span bias's), the
         # rounding of the split sums is amplified; measured 1.6e-11 after 4 steps.
