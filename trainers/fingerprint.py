@@ -95,7 +95,7 @@ PORTABLE_CPU_PINS = {
 #: The portable exact mode (``scripts/publish.py --portable``): every kernel is ATen's own at
 #: AVX2 (oneDNN off: ``MODELZOO_PORTABLE=1`` sets ``torch.backends.mkldnn.enabled = False``
 #: when :mod:`trainers` is imported) or MKL's on its ``COMPATIBLE`` code branch, the one MKL
-#: documents as giving the same bits on Intel and non-Intel processors at a fixed thread count.
+#: offers for Intel and Intel-compatible processors alike (same bits at a fixed thread count).
 #: Its ``AVX2`` branch is Intel-only (on other vendors MKL falls back to its AUTO dispatch):
 #: measured, the first mode (``MKL_CBWR=AVX2,STRICT``) parted between an AMD EPYC and an Intel
 #: Xeon at MKL's small-N ``sgemm`` in every family (docs/run_logs.md). ``MKL_DYNAMIC=FALSE``:
