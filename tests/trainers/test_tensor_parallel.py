@@ -117,20 +117,19 @@ def test_trainer_dp_by_tp_equals_one_process_and_resumes_bit_for_bit(measured):
     optimizer state) and resuming from it continues bit for bit."""
     world, res, _ = measured
     dp = world // 2
-    # LAMB's trust ratio divides too: the split fp64 sums' rounding after the whole run was
-    # below 1e-12 on AMD EPYCs and 5.8e-12 on an Intel Xeon (AVX512 kernels); a sharding
-    # error shows at 1e-2.
-    check_trainer(res, f"trainer_dp{dp}", final_tol=1e-10)
+    check_trainer(res, f"trainer_dp{dp}")
     if world == 2:  # torch's AdamW, whose state for a DTensor parameter is a DTensor
         # Adam divides by sqrt(v): where a gradient is near zero (the span bias's), the
-        # rounding of the split sums is amplified; measured 1.6e-11 after 4 steps.
-        check_trainer(res, "adamw_trainer_dp1", final_tol=1e-10)
+        # rounding of the split sums is amplified; measured 1.6e-11 after 4 steps, and after
+        # 2 steps below 1e-12 on AMD EPYCs but 5.8e-12 on an Intel Xeon (AVX512 kernels). A
+        # sharding error shows at 1e-2.
+        check_trainer(res, "adamw_trainer_dp1", final_tol=1e-10, model_tol=1e-10)
 
 
-def check_trainer(res, key, final_tol=1e-12):
+def check_trainer(res, key, final_tol=1e-12, model_tol=1e-12):
     assert res[f"{key}_moved"] > 1e-2
     assert res[f"{key}_model_plain"] and res[f"{key}_opt_plain"] and res[f"{key}_opt_shapes"]
-    assert res[f"{key}_model_err"] < 1e-12
+    assert res[f"{key}_model_err"] < model_tol
     assert res[f"{key}_opt_err"] < 1e-12
     assert res[f"{key}_final_err"] < final_tol
     assert res[f"{key}_resume_err"] == 0.0
