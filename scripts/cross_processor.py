@@ -275,9 +275,7 @@ def add_trace(log: Path, python: str) -> Path | None:
     entry = pair_entry(log, header, here, original, records, int(reproduce._last_step(records)))
     print(f"  {entry['records_identical']}/{entry['records_compared']} records identical to the "
           f"published log; first difference: {entry['first_difference'] or 'none'}")  # fmt: skip
-    pairs = merge(load_results(RESULTS), entry)  # the whole log rerun here: a pair, too
-    atomic_write_text(RESULTS, json.dumps({"pairs": pairs}, indent=1) + "\n")
-    write_table(pairs, DOC)
+    write_table(save_pair(entry), DOC)  # the whole log rerun here: a pair, too
     ends = [[r for r in recs if r.get("kind") == "end"][-1] for recs in (original, records)]
     shown = [k for k, v in ends[0].items() if reproduce._is_number(v)
              and k not in reproduce.TIMING_FIELDS]  # fmt: skip
@@ -286,6 +284,13 @@ def add_trace(log: Path, python: str) -> Path | None:
         "  end, this trace: " + ", ".join(f"{k}={ends[1].get(k, float('nan')):.6g}" for k in shown)
     )
     return out
+
+
+def save_pair(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """Merge ``entry`` into the results file (:data:`RESULTS`); the pairs now there."""
+    pairs = merge(load_results(RESULTS), entry)
+    atomic_write_text(RESULTS, json.dumps({"pairs": pairs}, indent=1) + "\n")
+    return pairs
 
 
 def load_results(path: Path = RESULTS) -> list[dict[str, Any]]:
@@ -349,8 +354,6 @@ def parse_pins(text: str, error: Any) -> dict[str, str]:
         if name not in ISA_PIN_VARIABLES:
             error(f"--pins: {name!r} is not an ISA pin; one of {', '.join(ISA_PIN_VARIABLES)}")
         pins[name], last = value, name
-    if not pins:
-        error(f"--pins {text!r}: expected NAME=VALUE,... (e.g. MKL_CBWR=COMPATIBLE)")
     return pins
 
 
@@ -412,8 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {entry['records_identical']}/{entry['records_compared']} records identical;"
                   f" first difference: {entry['first_difference'] or 'none'}; max rel diff "
                   f"{entry['max_rel_diff']:.3g}", flush=True)  # fmt: skip
-            pairs = merge(pairs, entry)
-            atomic_write_text(RESULTS, json.dumps({"pairs": pairs}, indent=1) + "\n")
+            pairs = save_pair(entry)
     write_table(pairs)
     print(table(pairs), end="")
     return 0
