@@ -9,12 +9,12 @@
 # graph.datasets and nlp.squad register their public data sets (modelzoo.data).
 from . import graph  # noqa: F401  (registration side effect)
 from .artifact import load_artifact, save_artifact
+from .features import FeatureInfo, create_features
 from .nlp import bert, squad  # noqa: F401  (registration side effect)
 from .pipelines import pipeline
 from .registry import get_model, get_weights, list_models, register_model
 from .store import purge
 from .vision import resnest  # noqa: F401  (registration side effect)
-from .vision.features import FeatureInfo, create_features
 from .weights import Weights
 
 __version__ = "0.1.0"

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .family import get_modality
 from .fileio import fsync_directory
 
 __all__ = [
@@ -130,32 +131,17 @@ class Artifact:
     def transforms(self) -> Any:
         """The evaluation preprocessing of the run (images: the eval transform; graphs: the
         node-feature transform). Text: raises, use :meth:`tokenizer`."""
-        if self.modality == "image":
-            from .vision.transforms import eval_transforms
+        from .family import get_modality
 
-            p = self.preprocessing
-            return eval_transforms(
-                int(p["input_size"]),
-                crop_ratio=float(p["crop_ratio"]),
-                mean=tuple(255.0 * m for m in p["mean"]),
-                std=tuple(255.0 * s for s in p["std"]),
-            )
-        if self.modality == "graph":
-            from .graph.transforms import NodeFeatures
-
-            return NodeFeatures(normalize=bool(self.preprocessing.get("normalize_features")))
-        raise ValueError(
-            f"{self.directory}: text artifacts are preprocessed by their tokenizer; call "
-            ".tokenizer() instead of .transforms()"
-        )
+        return get_modality(self.modality).transforms(dict(self.preprocessing), str(self.directory))
 
     def tokenizer(self, *, progress: bool = False) -> Any:
         """The tokenizer saved in the folder (text artifacts)."""
-        from .nlp.tokenizer import BertTokenizer
+        from .family import get_modality
 
-        if self.modality != "text":
-            raise ValueError(f"{self.directory}: a {self.modality} artifact has no tokenizer")
-        return BertTokenizer.from_dir(self.directory)
+        return get_modality(self.modality).tokenizer(
+            owner=str(self.directory), directory=self.directory, progress=progress
+        )
 
     def build(self, **overrides: Any) -> nn.Module:
         """The model with the folder's weights loaded strictly, in eval mode.
@@ -163,20 +149,20 @@ class Artifact:
         ``overrides`` are builder options that do not change the parameters (e.g.
         ``final_drop=0.0``); ones that do make the strict load fail with the names.
         """
-        if self.modality == "text":
-            from .nlp.bert import bert_from_checkpoint
+        from .family import get_modality
 
-            head = overrides.pop("head", self.model_kwargs.get("head"))
-            if overrides:
-                raise ArtifactError(
-                    f"{self.directory}: a BERT artifact takes no builder options but head; "
-                    f"got {sorted(overrides)}"
-                )
-            model = bert_from_checkpoint(self.directory, head=head)
+        modality = get_modality(self.modality)
+        if not modality.registered_model:
+            try:
+                model = modality.load_model(self.directory, dict(self.model_kwargs), overrides)
+            except ArtifactError:
+                raise
+            except ValueError as exc:
+                raise ArtifactError(str(exc)) from None
             return model.eval()
         from safetensors.torch import load_model
 
-        from .registry import get_model_entry
+        from .entries import get_model_entry
 
         entry = get_model_entry(self.model_name)
         model = entry.builder(**{**self.model_kwargs, **overrides})
@@ -270,13 +256,13 @@ def save_artifact(
                 f"{sorted(QA_OPTIONS)}"
             )
         prep = {**QA_OPTIONS, **prep}
-    if modality == "image":
-        missing = sorted({"input_size", "crop_ratio", "mean", "std"} - set(prep))
-        if missing:
-            raise ArtifactError(
-                f"save_artifact: image preprocessing lacks {missing}; use image_preprocessing()"
-            )
-    if modality == "text" and tokenizer is None:
+    kind = get_modality(modality)
+    missing = sorted(set(kind.required_options) - set(prep))
+    if missing:
+        raise ArtifactError(
+            f"save_artifact: {modality} preprocessing lacks {missing}; use image_preprocessing()"
+        )
+    if kind.needs_tokenizer and tokenizer is None:
         raise ArtifactError(f"save_artifact: a {task} artifact needs its tokenizer=")
     meta = {
         "format": ARTIFACT_FORMAT,
@@ -288,8 +274,8 @@ def save_artifact(
         "metrics": _jsonable(dict(metrics or {}), "save_artifact: metrics"),
         "source": _jsonable(dict(source or {}), "save_artifact: source"),
     }
-    if modality != "text":  # BERT is rebuilt from its config.json; the name is a record
-        from .registry import get_model_entry
+    if kind.registered_model:  # else rebuilt from the folder's files; the name is a record
+        from .entries import get_model_entry
 
         get_model_entry(model_name)  # an unknown name fails now, not when loading
 
@@ -304,16 +290,10 @@ def save_artifact(
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.partial-"))
     try:
-        if modality == "text":
-            from .convert.bert import save_hf_directory
-
-            if state_dict is not None:
-                model = _with_state(model, state_dict)
-            save_hf_directory(model, tokenizer, tmp, replace=False)  # its files into tmp
-        else:
+        target = model if state_dict is None else _with_state(model, state_dict)
+        if not kind.save_model(target, tokenizer, tmp):  # the modality's own files, or:
             from safetensors.torch import save_model
 
-            target = model if state_dict is None else _with_state(model, state_dict)
             save_model(target, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         meta["files"] = _file_hashes(tmp)  # every file but modelzoo.json, verified on load
         text = json.dumps(meta, indent=2) + "\n"
@@ -450,12 +430,12 @@ def load_artifact(path: str | os.PathLike[str], *, verify: bool = True) -> Artif
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise ArtifactError(f"{directory}: {WEIGHTS_FILE} is missing")
-    if artifact.modality == "text" and not (directory / "vocab.txt").is_file():
+    kind = get_modality(artifact.modality)
+    if kind.needs_tokenizer and not (directory / "vocab.txt").is_file():
         raise ArtifactError(f"{directory}: vocab.txt is missing (a text artifact's tokenizer)")
-    if artifact.modality == "image":
-        missing = sorted({"input_size", "crop_ratio", "mean", "std"} - set(artifact.preprocessing))
-        if missing:
-            raise ArtifactError(f"{meta_path}: field 'preprocessing' lacks {missing}")
+    missing = sorted(set(kind.required_options) - set(artifact.preprocessing))
+    if missing:
+        raise ArtifactError(f"{meta_path}: field 'preprocessing' lacks {missing}")
     if verify and meta.get("files") is not None:
         _verify_files(directory, meta["files"], meta_path)
     return artifact

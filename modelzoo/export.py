@@ -43,17 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .family import FamilyError, ModelFamily, find_family
 from .fileio import atomic_write
-from .graph._common import NodeClassifier
-from .graph.gin import GIN
-from .nlp.bert import (
-    BertForPretraining,
-    BertForQuestionAnswering,
-    BertForSequenceClassification,
-    BertModel,
-)
-from .vision.features import FeatureListNet
-from .vision.resnest import ResNeSt
 
 __all__ = [
     "FORMATS",
@@ -84,9 +75,6 @@ _EXTENSIONS = (
     (".pt2", "torch.export"),
 )
 _INSTALL = 'pip install "modelzoo-trainers-pt[export]"'
-_BERT = (BertModel, BertForQuestionAnswering, BertForSequenceClassification, BertForPretraining)
-_IMAGE = (ResNeSt, FeatureListNet)
-_CLASSIFIERS = (ResNeSt, BertForSequenceClassification, NodeClassifier, GIN)
 # protobuf cannot serialize a message of 2 GiB or more; the zoo's largest (BERT-Large) is 1.3.
 _PROTOBUF_LIMIT = 2**31 - 1
 
@@ -168,41 +156,13 @@ def _require(*modules: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _family(model: nn.Module) -> str | None:
-    if isinstance(model, _IMAGE):
-        return "image"
-    if isinstance(model, _BERT):
-        return "bert"
-    if isinstance(model, GIN):
-        return "gin"
-    if isinstance(model, NodeClassifier):
-        return "node"
-    return None
+def _family(model: nn.Module) -> ModelFamily | None:
+    return find_family(model)
 
 
 def _device(model: nn.Module) -> torch.device:
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
-
-
-def _in_chans(model: nn.Module) -> int:
-    conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
-    return 3 if conv is None else conv.in_channels
-
-
-def _random_edges(
-    node_graph: torch.Tensor, num_edges: int, generator: torch.Generator
-) -> torch.Tensor:
-    """``(2, E)`` random edges, each inside one graph of ``node_graph``, sorted by target
-    (GraphSAGE's LSTM aggregator needs that order; the others do not care)."""
-    counts = torch.bincount(node_graph)
-    starts = torch.cumsum(counts, 0) - counts
-    src = torch.randint(0, node_graph.numel(), (num_edges,), generator=generator)
-    graph = node_graph[src]
-    offset = torch.randint(0, 2**31 - 1, (num_edges,), generator=generator) % counts[graph]
-    dst = starts[graph] + offset
-    order = torch.argsort(dst, stable=True)
-    return torch.stack([src[order], dst[order]])  # (2, E)
 
 
 def example_inputs(
@@ -239,9 +199,9 @@ def example_inputs(
     family = _family(model)
     if family is None:
         raise ValueError(
-            f"example_inputs: no default inputs for {type(model).__name__} (known: ResNeSt, "
-            "BERT, GCN/GraphSAGE/GAT, GIN); pass example_inputs=(tensor, ...) matching its "
-            "forward"
+            f"example_inputs: no default inputs for {type(model).__name__} (it is of no "
+            "registered model family, see modelzoo.family); pass example_inputs=(tensor, ...) "
+            "matching its forward"
         )
     for option, value in (("batch_size", batch_size), ("image_size", image_size),
                           ("seq_len", seq_len), ("num_nodes", num_nodes),
@@ -250,38 +210,16 @@ def example_inputs(
             raise ValueError(f"example_inputs: {option} must be >= 1, got {value}")
     generator = torch.Generator().manual_seed(seed)
     device = _device(model)
-    if family == "image":
-        x = torch.randn(batch_size, _in_chans(model), image_size, image_size, generator=generator)
-        return (x.to(device),)
-    if family == "bert":
-        config = model.config
-        if seq_len > config.max_position_embeddings:
-            raise ValueError(
-                f"example_inputs: seq_len {seq_len} is longer than the model's "
-                f"max_position_embeddings {config.max_position_embeddings}"
-            )
-        ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=generator)
-        types = torch.zeros(batch_size, seq_len, dtype=torch.long)
-        if config.type_vocab_size > 1:
-            types[:, seq_len // 2 :] = 1
-        mask = torch.ones(batch_size, seq_len, dtype=torch.long)
-        mask[-1, seq_len - seq_len // 4 :] = 0  # (B, T), padding at the end of the last row
-        return tuple(t.to(device) for t in (ids, types, mask))
-    if family == "node":
-        x = torch.randn(num_nodes, model.in_channels, generator=generator)
-        graph = torch.zeros(num_nodes, dtype=torch.long)
-        return x.to(device), _random_edges(graph, num_edges, generator).to(device)
-    graphs = 1 if num_graphs is None else num_graphs
-    if not 1 <= graphs <= num_nodes:
+    try:
+        inputs = family.example_inputs(
+            model, batch_size=batch_size, generator=generator, image_size=image_size,
+            seq_len=seq_len, num_nodes=num_nodes, num_edges=num_edges, num_graphs=num_graphs,
+        )  # fmt: skip
+    except FamilyError as exc:
         raise ValueError(
-            f"example_inputs: num_graphs must be in [1, num_nodes={num_nodes}], got {num_graphs}"
-        )
-    x = torch.randn(num_nodes, model.in_channels, generator=generator)
-    batch = torch.arange(num_nodes) * graphs // num_nodes  # (N,), sorted, no empty graph
-    edges = _random_edges(batch, num_edges, generator)
-    if num_graphs is None:
-        return x.to(device), edges.to(device)
-    return x.to(device), edges.to(device), batch.to(device), num_graphs
+            f"example_inputs: {exc}; pass example_inputs=(tensor, ...) matching its forward"
+        ) from None
+    return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
 
 
 def _inputs_like(model: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -290,20 +228,11 @@ def _inputs_like(model: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...] |
     family = _family(model)
     if family is None:
         return None
-    first = inputs[0]
-    if family == "image":
-        built = example_inputs(model, batch_size=first.shape[0] + 1, image_size=first.shape[-1])
-    elif family == "bert":
-        batch, length = first.shape
-        longer = length + 3 <= model.config.max_position_embeddings
-        seq_len = length + 3 if longer else max(length - 1, 1)
-        built = example_inputs(model, batch_size=batch + 1, seq_len=seq_len, seed=1)
-    else:
-        # Denser as well as larger: other node degrees, which a trace may have baked in.
-        nodes, edges = first.shape[0] + 3, 2 * inputs[1].shape[1] + 5
-        graphs = int(inputs[2].max()) + 2 if family == "gin" and len(inputs) > 2 else None
-        options = {"num_graphs": graphs} if family == "gin" else {}
-        built = example_inputs(model, num_nodes=nodes, num_edges=edges, seed=1, **options)
+    try:
+        sizes = family.inputs_like(model, inputs)
+    except FamilyError:
+        return None
+    built = example_inputs(model, seed=1, **sizes)
     # Same arity, and None where the caller left an optional input out.
     return tuple(None if given is None else new for given, new in zip(inputs, built, strict=False))
 
@@ -331,25 +260,6 @@ def _as_inputs(example: Any) -> tuple[Any, ...]:
 # ---------------------------------------------------------------------------------------------
 
 
-class _BertTuple(nn.Module):
-    """A BERT whose NamedTuple output becomes a plain tuple without its None fields:
-    ``torch.export.save`` cannot serialize an unregistered NamedTuple, and a file that needs
-    modelzoo's classes to load is no deployment file."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        token_type_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, ...]:
-        out = self.model(input_ids, token_type_ids, attention_mask)
-        return tuple(t for t in out if t is not None)
-
-
 class _TupleOutputs(nn.Module):
     """Any model's NamedTuple (or None-holding) output as a plain tuple of its tensors."""
 
@@ -368,7 +278,9 @@ def _is_named_tuple(value: Any) -> bool:
 
 def _output_names(model: nn.Module, out: Any) -> list[str]:
     if isinstance(out, torch.Tensor):
-        return ["logits" if isinstance(model, _CLASSIFIERS) else "output"]
+        family = _family(model)
+        classifier = family is not None and isinstance(model, family.classifiers)
+        return ["logits" if classifier else "output"]
     if _is_named_tuple(out):
         return [name for name, t in zip(out._fields, out, strict=True) if t is not None]
     if isinstance(out, (tuple, list)):
@@ -402,23 +314,8 @@ def _input_names(model: nn.Module, inputs: tuple[Any, ...]) -> list[str]:
 def _dynamic_shapes(model: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
     """``torch.export`` dynamic shapes for the family's data dimensions (for an unknown
     model: dimension 0 of every tensor, one shared batch)."""
-    from torch.export import Dim
-
-    family = _family(model)
-    if family == "bert":
-        batch = Dim("batch", min=1)
-        seq = Dim("seq", min=1, max=model.config.max_position_embeddings)
-        return tuple(None if t is None else {0: batch, 1: seq} for t in inputs)
-    if family in ("node", "gin"):
-        nodes, edges = Dim("num_nodes", min=1), Dim("num_edges", min=1)
-        specs: list[Any] = [{0: nodes}, {1: edges}]
-        if len(inputs) > 2:
-            specs.append(None if inputs[2] is None else {0: nodes})  # batch (N,)
-        if len(inputs) > 3:
-            specs.append(Dim.DYNAMIC if isinstance(inputs[3], int) else None)  # num_graphs
-        return (tuple(specs) + (None,) * len(inputs))[: len(inputs)]
-    batch = Dim("batch", min=1)
-    return tuple({0: batch} if isinstance(t, torch.Tensor) and t.dim() else None for t in inputs)
+    family = _family(model) or ModelFamily()
+    return family.dynamic_shapes(model, inputs)
 
 
 def _check_dynamic_sizes(inputs: tuple[Any, ...], shapes: tuple[Any, ...], owner: str) -> None:
@@ -446,6 +343,7 @@ class _Prepared:
     """The module to export (the model or a tuple-returning view), its inputs and names."""
 
     module: nn.Module
+    model: nn.Module
     inputs: tuple[Any, ...]
     dynamic_shapes: tuple[Any, ...] | None
     input_names: list[str]
@@ -475,13 +373,15 @@ def _prepare(
         ) from exc
     module = model
     if _is_named_tuple(out) or (isinstance(out, (tuple, list)) and any(t is None for t in out)):
-        bert_like = isinstance(model, _BERT) and len(inputs) <= 3
-        module = _BertTuple(model) if bert_like else _TupleOutputs(model)
+        family = _family(model)
+        view = family.export_view(model, inputs) if family is not None else None
+        module = view if view is not None else _TupleOutputs(model)
     if dynamic_shapes is None and dynamic_batch:
         dynamic_shapes = _dynamic_shapes(model, inputs)
         _check_dynamic_sizes(inputs, dynamic_shapes, owner)
     return _Prepared(
         module=module,
+        model=model,
         inputs=inputs,
         dynamic_shapes=dynamic_shapes,
         input_names=_input_names(model, inputs),
@@ -510,9 +410,7 @@ def _torch_export(prepared: _Prepared, owner: str) -> torch.export.ExportedProgr
             strict=False,
         )
     except Exception as exc:
-        module = prepared.module
-        wrapped = isinstance(module, (_BertTuple, _TupleOutputs))
-        name = type(module.model if wrapped else module).__name__
+        name = type(prepared.model).__name__
         raise ExportError(
             f"{owner}: torch.export cannot capture {name}: {_first_line(exc)} "
             "(see docs/export.md for what exports to which format)"
@@ -578,10 +476,12 @@ def _rename_axes(onnx_program: Any, prepared: _Prepared) -> None:
             name = getattr(symbol, "__name__", None)  # a Dim; Dim.AUTO and the like have none
             if name and isinstance(axis, ir.SymbolicDim) and axis.value is not None:
                 mapping.setdefault(axis.value, name)
-    if isinstance(prepared.module, GIN) and len(values) > 3 and isinstance(values[3], int):
-        axis = onnx_program.model.graph.outputs[0].shape[0]  # GIN: (num_graphs, classes)
+    family = _family(prepared.model)
+    named = family.output_axes(prepared.model, tuple(values)) if family is not None else {}
+    for (output, dim), name in named.items():
+        axis = onnx_program.model.graph.outputs[output].shape[dim]
         if isinstance(axis, ir.SymbolicDim) and axis.value is not None:
-            mapping.setdefault(axis.value, "num_graphs")
+            mapping.setdefault(axis.value, name)
     if mapping:
         onnx_program.rename_axes(mapping)
 
@@ -784,8 +684,10 @@ def export_model(
     """
     fmt = resolve_format(path, format)
     if example_inputs is None:
-        if fmt == "torchscript" and isinstance(model, GIN):
-            input_options.setdefault("num_graphs", None)  # tracing takes tensors only
+        family = _family(model)
+        if fmt == "torchscript" and family is not None:
+            for option, value in family.tracing_options.items():  # tracing takes tensors only
+                input_options.setdefault(option, value)
         inputs = _default_inputs(model, **input_options)
     elif input_options:
         raise ValueError(

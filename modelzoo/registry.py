@@ -7,16 +7,15 @@ parametrized tests. Names are case-insensitive; registering a name twice raises.
 
 from __future__ import annotations
 
-import fnmatch
+import typing
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from torch import nn
 
-from ._lookup import unknown_name
+from .entries import ModelEntry, get_model_entry, list_models, register_model
 from .weights import Weights
 
 __all__ = [
@@ -29,89 +28,6 @@ __all__ = [
     "load_pretrained",
     "register_model",
 ]
-
-Builder = TypeVar("Builder", bound=Callable[..., nn.Module])
-
-
-@dataclass(frozen=True)
-class ModelEntry:
-    """A registered model: its builder, its weights by tag and the default tag."""
-
-    name: str
-    builder: Callable[..., nn.Module]
-    weights: Mapping[str, Weights]
-    default_tag: str | None
-
-
-_REGISTRY: dict[str, ModelEntry] = {}
-
-
-def register_model(
-    fn: Builder | None = None,
-    *,
-    name: str | None = None,
-    weights: Mapping[str, Weights] | None = None,
-    default_tag: str | None = None,
-) -> Any:
-    """Registers a model builder under its function name (or ``name``).
-
-    Usable bare (``@register_model``) or with arguments
-    (``@register_model(weights={"official": Weights(...)})``). The first weights tag is the
-    default unless ``default_tag`` names another.
-
-    Raises:
-        ValueError: The name is already registered, or ``default_tag`` is not a weights tag.
-    """
-
-    def decorator(builder: Builder) -> Builder:
-        key = (name or builder.__name__).lower()
-        if key in _REGISTRY:
-            existing = _REGISTRY[key].builder
-            raise ValueError(
-                f"register_model: model name {key!r} is already registered by "
-                f"{existing.__module__}.{existing.__qualname__}; pick another name"
-            )
-        tags = dict(weights or {})
-        tag = default_tag if default_tag is not None else next(iter(tags), None)
-        if tag is not None and tag not in tags:
-            raise ValueError(
-                f"register_model({key!r}): default_tag {tag!r} is not one of {list(tags)}"
-            )
-        _REGISTRY[key] = ModelEntry(name=key, builder=builder, weights=tags, default_tag=tag)
-        return builder
-
-    if fn is not None:
-        return decorator(fn)
-    return decorator
-
-
-def get_model_entry(name: str) -> ModelEntry:
-    """The registry entry for ``name`` (case-insensitive).
-
-    Raises:
-        ValueError: Unknown name; the message lists the closest registered names.
-    """
-    key = name.lower()
-    if key not in _REGISTRY:
-        listing = f"modelzoo.list_models() lists all {len(_REGISTRY)}"
-        raise unknown_name("model", name, _REGISTRY, listing)
-    return _REGISTRY[key]
-
-
-def list_models(pattern: str | None = None, pretrained: bool | None = None) -> list[str]:
-    """Sorted registered names, optionally filtered.
-
-    Args:
-        pattern: A shell-style wildcard, case-insensitive (``"resnest*"``).
-        pretrained: ``True`` keeps models with published weights, ``False`` those without.
-    """
-    names = sorted(_REGISTRY)
-    if pattern is not None:
-        names = [n for n in names if fnmatch.fnmatchcase(n, pattern.lower())]
-    if pretrained is not None:
-        names = [n for n in names if bool(_REGISTRY[n].weights) == pretrained]
-    return names
-
 
 def get_weights(name: str, tag: str | bool = True) -> Weights:
     """The :class:`Weights` of model ``name`` for ``tag`` (``True``: the default tag)."""
@@ -198,7 +114,7 @@ def get_model(
             initialized (GluonCV's ``reset_class``); a warning says so.
         progress: Show a download progress bar (only on a terminal).
         features_only: Return a backbone instead
-            (:class:`~modelzoo.vision.features.FeatureListNet`): the stem and stages without
+            (:class:`~modelzoo.features.FeatureListNet`): the stem and stages without
             the global pool and classifier, whose forward gives the list of feature maps
             selected by ``out_indices`` and whose ``feature_info`` gives their channels,
             reductions and module names (timm's ``features_only``). Pretrained weights are
@@ -265,7 +181,7 @@ def _get_backbone(
 ) -> nn.Module:
     """``get_model(..., features_only=True)``: checks everything before any download, loads
     the weights strictly into the classification model, then keeps its stem and stages."""
-    from .vision.features import create_features, feature_family
+    from .features import create_features
 
     owner = f"get_model({entry.name!r}, features_only=True)"
     if num_classes is not None:
@@ -273,10 +189,63 @@ def _get_backbone(
             f"{owner}: num_classes={num_classes} has no meaning, a backbone has no "
             f"classifier; drop num_classes"
         )
-    family = feature_family(entry.name, **overrides)
-    indices = family.check_out_indices(out_indices, owner)
+    spec = _feature_spec(entry, overrides, owner)
+    indices = spec.check_out_indices(out_indices, owner)
     model = get_model(entry.name, pretrained=pretrained, progress=progress, **overrides)
     return create_features(model, indices)
+
+
+def _declared_class(entry: ModelEntry) -> type | None:
+    """The class the builder's return annotation names, or ``None`` when it names none."""
+    try:
+        declared = typing.get_type_hints(entry.builder).get("return")
+    except (NameError, TypeError):  # an annotation that does not resolve decides nothing
+        return None
+    return declared if isinstance(declared, type) else None
+
+
+def _family_models(family: Any) -> list[str]:
+    """Registered models whose builders declare a class of ``family``."""
+    from .family import find_family
+
+    return [n for n in list_models() if (c := _declared_class(get_model_entry(n))) is not None
+            and find_family(c) is family]  # fmt: skip
+
+
+def _feature_spec(entry: ModelEntry, overrides: Mapping[str, Any], owner: str) -> Any:
+    """The backbone split of registered model ``entry``, from the family of the class its
+    builder declares; a builder that declares only a base class (``nn.Module``) is built
+    once on the ``meta`` device to see what it returns.
+
+    Raises:
+        ValueError: The model cannot be a backbone; the message names the families (and their
+            models) that can.
+    """
+    import torch
+
+    from .family import find_family
+    from .features import backbone_families
+
+    declared = _declared_class(entry)
+    family = find_family(declared) if declared is not None else None
+    if family is None or family.features is None:
+        backbones = backbone_families()
+        undecided = declared is None or any(
+            issubclass(c, declared) for f in backbones for c in f.model_classes
+        )
+        if undecided:
+            with torch.device("meta"):
+                family = find_family(entry.builder(**overrides))
+    if family is not None and family.features is not None:
+        return family.features
+    supported = "; ".join(
+        f"{f.name} ({', '.join(_family_models(f)) or 'no registered models'})"
+        for f in backbone_families()
+    )
+    raise ValueError(
+        f"{owner}: {entry.name!r} is not a backbone model (it has no feature-map stages); "
+        f"the families that support features_only=True: {supported}"
+    )
 
 
 def _get_artifact_model(
@@ -305,11 +274,11 @@ def _get_artifact_model(
         )
     model = artifact.build(**overrides)
     if features_only:
-        from .vision.features import create_features, feature_family
+        from .features import create_features, feature_spec
 
         owner = f"get_model({path!r}, features_only=True)"
-        family = feature_family(artifact.model_name, **{**artifact.model_kwargs, **overrides})
-        return create_features(model, family.check_out_indices(out_indices, owner))
+        _, spec = feature_spec(model, owner)
+        return create_features(model, spec.check_out_indices(out_indices, owner))
     if out_indices is not None:
         raise ValueError(f"get_model({path!r}): out_indices only applies with features_only=True")
     return model

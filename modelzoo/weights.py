@@ -171,23 +171,16 @@ class Weights:
         Raises:
             ValueError: Text weights; their preprocessing is :meth:`tokenizer`.
         """
-        if self.modality == "image":
-            from .vision.transforms import eval_transforms
+        from .family import get_modality
 
-            return eval_transforms(
-                self.input_size,
-                crop_ratio=self.crop_ratio,
-                mean=tuple(255.0 * m for m in self.mean),
-                std=tuple(255.0 * s for s in self.std),
-            )
-        if self.modality == "graph":
-            from .graph.transforms import NodeFeatures
-
-            return NodeFeatures(normalize=self.normalize_features)
-        raise ValueError(
-            f"Weights({self.file_name}): text weights are preprocessed by their tokenizer; "
-            "call weights.tokenizer() instead of weights.transforms()"
-        )
+        options = {
+            "input_size": self.input_size,
+            "crop_ratio": self.crop_ratio,
+            "mean": self.mean,
+            "std": self.std,
+            "normalize_features": self.normalize_features,
+        }
+        return get_modality(self.modality).transforms(options, f"Weights({self.file_name})")
 
     def tokenizer(self, *, progress: bool = True) -> Any:
         """The :class:`~modelzoo.nlp.tokenizer.BertTokenizer` of these (text) weights'
@@ -196,14 +189,12 @@ class Weights:
         Raises:
             ValueError: The weights have no vocabulary (image and graph weights).
         """
-        if self.vocab is None:
-            raise ValueError(
-                f"Weights({self.file_name}): {self.modality} weights have no tokenizer; "
-                "their preprocessing is weights.transforms()"
-            )
-        from .nlp.tokenizer import tokenizer_from_vocab
+        from .family import get_modality
 
-        return tokenizer_from_vocab(self.vocab, progress=progress)
+        owner = f"Weights({self.file_name})"
+        return get_modality(self.modality).tokenizer(
+            owner=owner, vocab=self.vocab, progress=progress
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data view (no callables), for docs tables and run-log headers.

@@ -8,7 +8,7 @@ pipeline (:mod:`modelzoo.graph.inference`). ``torch_geometric`` takes seconds to
 it is imported when a graph model is first built, not by ``import modelzoo``.
 """
 
-from . import gat, gcn, gin, graphsage  # noqa: F401  (registration side effect)
+from . import family, gat, gcn, gin, graphsage  # noqa: F401  (registration side effect)
 from .gat import GAT
 from .gcn import GCN
 from .gin import GIN

@@ -9,6 +9,7 @@
 The solvers (distributed L-BFGS, CA-SGD) are in :mod:`trainers.linear`.
 """
 
+from . import family  # noqa: F401  (registers the linear models' family)
 from .datasets import (
     BUNDLED,
     LinearData,

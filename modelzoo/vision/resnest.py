@@ -18,12 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..family import register_family
 from ..registry import register_model
 from ..weights import Weights
+from .family import ResNetShapedFamily
 from .labels import imagenet_classes
 from .splat import DropBlock2d, SplitAttnConv2d
 
-__all__ = ["Bottleneck", "ResNeSt"]
+__all__ = ["Bottleneck", "ResNeSt", "ResNeStFamily"]
 
 
 class Bottleneck(nn.Module):
@@ -422,3 +424,14 @@ def resnest50_fast_4s2x40d(*, num_classes: int = 1000, **kwargs: Any) -> ResNeSt
         (3, 4, 6, 3), stem_width=32, radix=4, cardinality=2, bottleneck_width=40, avd_first=True,
         num_classes=num_classes, **kwargs,
     )  # fmt: skip
+
+
+class ResNeStFamily(ResNetShapedFamily):
+    """ResNeSt's answers to the model-family protocol (:mod:`modelzoo.family`)."""
+
+    name = "ResNeSt"
+    model_classes = (ResNeSt,)
+    classifiers = (ResNeSt,)
+
+
+register_family(ResNeStFamily())

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 import modelzoo
+from modelzoo.features import FeatureListNet, create_features
 from modelzoo.registry import get_model_entry
-from modelzoo.vision.features import FeatureListNet, create_features
 from modelzoo.vision.resnest import ResNeSt
 
 from ._reference import randomize_batchnorm

@@ -11,15 +11,15 @@ import torch
 from torch import nn
 
 import modelzoo
-from modelzoo import registry
+from modelzoo import entries
 from modelzoo.weights import Weights
 
 
 @pytest.fixture
 def scratch_registry(monkeypatch):
     """An isolated registry so test models never leak into the real one."""
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    return registry._REGISTRY
+    monkeypatch.setattr(entries, "_REGISTRY", dict(entries._REGISTRY))
+    return entries._REGISTRY
 
 
 class _Tiny(nn.Module):

@@ -350,25 +350,45 @@ def test_full_rerun_of_an_unpublished_log_is_refused_before_running(tmp_path, ca
     assert "not a seed of any recipe" in err
 
 
-def test_code_changes_since_the_log_commit_are_reported():
+def _listed(note: str) -> list[str]:
+    """The files a code_changes note lists (not the git command it quotes)."""
+    return note.split(" these files changed: ", 1)[1].split(" (git diff ", 1)[0].split(", ")
+
+
+def test_code_changes_since_the_log_commit_are_reported(tmp_path):
+    # A repository of its own: the answer must not depend on this checkout's work tree.
     import subprocess
 
-    root = reproduce.REPO_ROOT
-    if not (root / ".git").exists():
-        pytest.skip("needs the git checkout")
-    first = subprocess.run(
-        ["git", "rev-list", "--max-parents=0", "HEAD"], cwd=root, capture_output=True, text=True
-    ).stdout.split()[0]
-    note = reproduce.code_changes({"git": first, "command": ["scripts/train_imagenet.py"]})
-    assert note is not None and "scripts/train_imagenet.py" in note and first[:12] in note
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no", "--", "scripts/reproduce.py"],
-        cwd=root, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    if not dirty:
-        header = {"git": head.stdout.strip(), "command": ["scripts/reproduce.py"]}
-        changed = reproduce.code_changes(header)
-        assert changed is None or "scripts/reproduce.py" not in changed
-    missing = reproduce.code_changes({"git": "0" * 40, "command": ["scripts/x.py"]})
+    def git(*args: str) -> str:
+        env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+               "GIT_COMMITTER_EMAIL": "t@t", "PATH": os.environ["PATH"]}  # fmt: skip
+        done = subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True,
+                              env=env, check=True)  # fmt: skip
+        return done.stdout.strip()
+
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "modelzoo").mkdir()
+    (tmp_path / "scripts" / "train.py").write_text("print(1)\n")
+    (tmp_path / "scripts" / "other.py").write_text("print(2)\n")
+    (tmp_path / "modelzoo" / "a.py").write_text("A = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "first")
+    first = git("rev-parse", "HEAD")
+    header = {"git": first, "command": ["scripts/train.py"]}
+    assert reproduce.code_changes(header, root=tmp_path) is None  # nothing changed
+
+    (tmp_path / "modelzoo" / "a.py").write_text("A = 2\n")  # uncommitted: counted
+    (tmp_path / "scripts" / "other.py").write_text("print(3)\n")  # another script: not
+    note = reproduce.code_changes(header, root=tmp_path)
+    assert note is not None and first[:12] in note and _listed(note) == ["modelzoo/a.py"]
+
+    git("commit", "-qam", "second")
+    (tmp_path / "scripts" / "train.py").write_text("print(4)\n")
+    note = reproduce.code_changes(header, root=tmp_path)
+    assert note is not None and _listed(note) == ["modelzoo/a.py", "scripts/train.py"]
+    head = {"git": git("rev-parse", "HEAD"), "command": ["scripts/train.py"]}
+    assert _listed(reproduce.code_changes(head, root=tmp_path)) == ["scripts/train.py"]
+
+    missing = reproduce.code_changes({"git": "0" * 40, "command": ["scripts/x.py"]}, root=tmp_path)
     assert missing is not None and "not in this checkout" in missing

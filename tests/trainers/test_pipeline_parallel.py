@@ -133,7 +133,7 @@ def test_unsupported_models_and_bad_boundaries_are_clear_errors():
     tied = _tied_parameters(blocks, [0, 2, 4])
     assert [(p is pretraining.bert.embeddings.word.weight, s) for p, s in tied] == [(True, [0, 1])]
     assert _tied_parameters(blocks, [0, 4]) == []  # one stage holds both uses
-    with pytest.raises(TypeError, match="no block chain for Linear"):
+    with pytest.raises(TypeError, match="Linear is of no registered model family"):
         model_blocks(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="5 stages for 4 blocks"):
         balanced_boundaries([1, 1, 1, 1], 5)

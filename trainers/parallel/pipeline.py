@@ -46,141 +46,24 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 # ---- blocks -------------------------------------------------------------------------------
 
 
-class _BertEmbed(nn.Module):
-    """Embeddings; the attention mask (and the masked positions, pretraining) travel on."""
-
-    def __init__(self, embeddings: nn.Module) -> None:
-        super().__init__()
-        self.embeddings = embeddings
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        token_type_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        *extra: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        return self.embeddings(input_ids, token_type_ids), attention_mask, *extra
-
-
-class _BertBlock(nn.Module):
-    def __init__(self, layer: nn.Module, bert: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-        self.__dict__["bert"] = bert  # not a submodule: its gradient_checkpointing switch
-
-    def forward(
-        self, x: torch.Tensor, attention_mask: torch.Tensor, *extra: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        from torch.utils.checkpoint import checkpoint
-
-        from modelzoo.nlp.bert import _attention_mask
-
-        mask = _attention_mask(attention_mask)
-        recompute = getattr(self.bert, "gradient_checkpointing", False) and self.training
-        if recompute and torch.is_grad_enabled():
-            x = checkpoint(self.layer, x, mask, use_reentrant=False)
-        else:
-            x = self.layer(x, mask)
-        return x, attention_mask, *extra
-
-
-class _BertSpanHead(nn.Module):
-    """``(B, T, 2)``: start and end logits stacked (``SpanLogits`` is ``unbind(-1)`` of it)."""
-
-    def __init__(self, classifier: nn.Module) -> None:
-        super().__init__()
-        self.span_classifier = classifier
-
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.span_classifier(x)
-
-
-class _BertPretrainingHead(nn.Module):
-    """Pooler, next-sentence head and the masked-LM head, whose decoder is the word embedding
-    matrix: the same parameter as the first block's (tied across the first and last stage).
-    Output: ``(mlm_logits (B, M, vocab), nsp_logits (B, 2))``."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.pooler, self.mlm, self.nsp = model.bert.pooler, model.mlm, model.nsp
-        self.word = model.bert.embeddings.word
-
-    def forward(
-        self, x: torch.Tensor, attention_mask: torch.Tensor, masked_positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        pooled = torch.tanh(self.pooler(x[:, 0]))
-        index = masked_positions[..., None].expand(-1, -1, x.shape[-1])
-        h = torch.gather(x, 1, index)  # (B, M, C)
-        return self.mlm(h, self.word.weight), self.nsp(pooled)
-
-
-class _BertClassHead(nn.Module):
-    def __init__(self, pooler: nn.Module, drop: nn.Module, classifier: nn.Module) -> None:
-        super().__init__()
-        self.pooler, self.drop, self.classifier = pooler, drop, classifier
-
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.drop(torch.tanh(self.pooler(x[:, 0]))))
-
-
-class _ResNeStHead(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.avgpool, self.drop, self.fc = model.avgpool, model.drop, model.fc
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.drop(self.avgpool(x).flatten(1)))
-
-
 def model_blocks(model: nn.Module) -> list[nn.Module]:
-    """The chain of blocks of a zoo model (they share the model's parameters).
+    """The chain of blocks of a zoo model (they share the model's parameters), as its family
+    declares them (:meth:`modelzoo.family.ModelFamily.pipeline_blocks`).
 
     BERT span QA (``BertForQuestionAnswering``): inputs ``(input_ids, token_type_ids,
     attention_mask)``, output ``(B, T, 2)`` start/end logits. Sequence classification: output
     ``(B, classes)``. Pretraining (``BertForPretraining``): inputs ``(input_ids,
     token_type_ids, attention_mask, masked_positions)``, output ``(mlm_logits, nsp_logits)``;
     its masked-LM decoder is the word embedding matrix, so the first and the last block
-    share that parameter (:class:`PipelinedModel` sums its two gradients). ResNeSt: input
-    images, output logits.
+    share that parameter (:class:`PipelinedModel` sums its two gradients). ResNet-shaped
+    image models (ResNeSt, ResNet v1b/v1d): input images, output logits.
 
     Raises:
-        TypeError: another model.
+        TypeError: a model of no family, or of one without a block chain.
     """
-    from modelzoo.nlp.bert import (
-        BertForPretraining,
-        BertForQuestionAnswering,
-        BertForSequenceClassification,
-    )
-    from modelzoo.vision.resnest import ResNeSt
+    from modelzoo.family import family_of
 
-    if isinstance(model, (BertForQuestionAnswering, BertForSequenceClassification)):
-        bert = model.bert
-        blocks: list[nn.Module] = [_BertEmbed(bert.embeddings)]
-        blocks += [_BertBlock(layer, bert) for layer in bert.layers]
-        if isinstance(model, BertForQuestionAnswering):
-            blocks.append(_BertSpanHead(model.span_classifier))
-        else:
-            blocks.append(_BertClassHead(bert.pooler, model.drop, model.classifier))
-        return blocks
-    if isinstance(model, ResNeSt):
-        stem = nn.Sequential(model.conv1, model.bn1, model.relu, model.maxpool)
-        blocks = [stem]
-        for name in ("layer1", "layer2", "layer3", "layer4"):
-            blocks += list(getattr(model, name))
-        blocks.append(_ResNeStHead(model))
-        return blocks
-    if isinstance(model, BertForPretraining):
-        bert = model.bert
-        blocks = [_BertEmbed(bert.embeddings)]
-        blocks += [_BertBlock(layer, bert) for layer in bert.layers]
-        blocks.append(_BertPretrainingHead(model))
-        return blocks
-    raise TypeError(
-        f"pipeline parallelism: no block chain for {type(model).__name__}; supported: the "
-        "zoo's BertForPretraining, BertForQuestionAnswering, BertForSequenceClassification "
-        "and ResNeSt"
-    )
+    return family_of(model, "pipeline parallelism").pipeline_blocks(model)
 
 
 def balanced_boundaries(costs: Sequence[float], num_stages: int) -> list[int]:
@@ -390,18 +273,9 @@ def _split_layers(model: nn.Module, tensor_mesh: Any) -> None:
 
 def _output_wrapper(model: nn.Module) -> Callable[[Any], Any]:
     """Turns the last block's output back into ``model``'s own output type."""
-    from modelzoo.nlp.bert import (
-        BertForPretraining,
-        BertForQuestionAnswering,
-        PretrainingOutput,
-        SpanLogits,
-    )
+    from modelzoo.family import family_of
 
-    if isinstance(model, BertForQuestionAnswering):
-        return lambda out: SpanLogits(*out.unbind(-1))
-    if isinstance(model, BertForPretraining):
-        return lambda out: PretrainingOutput(*out)
-    return lambda out: out
+    return family_of(model, "pipeline parallelism").pipeline_output(model)
 
 
 def _tied_parameters(

@@ -63,15 +63,22 @@ from trainers._dtensor import is_tensor_parallel
 from trainers.comm.flat import broadcast_
 
 
-def bert_layers(model: nn.Module) -> list[nn.Module]:
-    """The ``BertLayer`` modules of a zoo BERT (``BertModel`` or a task model around one)."""
-    from modelzoo.nlp.bert import BertLayer
+def _family(model: nn.Module) -> Any:
+    from modelzoo.family import family_of
 
-    layers = [m for m in model.modules() if isinstance(m, BertLayer)]
-    if not layers:
+    return family_of(model, "tensor parallelism")
+
+
+def bert_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers of a zoo model that tensor parallelism splits, as its family declares them
+    (:meth:`modelzoo.family.ModelFamily.tensor_parallel_layers`; a BERT's ``BertLayer``s)."""
+    family = _family(model)
+    layers = family.tensor_parallel_layers(model)
+    if not layers or family.tp_plan is None:
         raise TypeError(
-            f"parallelize_bert: {type(model).__name__} holds no modelzoo BertLayer; tensor "
-            "parallelism is laid out for the zoo's BERTs (modelzoo.nlp.bert)"
+            f"parallelize_bert: {type(model).__name__} holds no layer its family "
+            f"({family.name}) splits; tensor parallelism is laid out for the zoo's BERTs "
+            "(modelzoo.nlp.bert)"
         )
     return layers
 
@@ -98,22 +105,26 @@ def qkv_permutation(num_heads: int, head_dim: int, tp: int) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def _linear_styles(layer: nn.Module) -> dict[str, Any]:
-    return {
-        "attn.qkv": ColwiseParallel(),
-        "attn.proj": RowwiseParallel(),
-        "fc1": ColwiseParallel(),
-        "fc2": RowwiseParallel(),
-    }
+_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
-def _check_divisible(layer: nn.Module, tp: int) -> None:
-    inner = layer.fc1.out_features
-    if inner % tp:
-        raise ValueError(
-            f"tensor parallelism: intermediate size {inner} does not divide over "
-            f"--tensor-parallel {tp}"
-        )
+def _linear_styles(plan: dict[str, str]) -> dict[str, Any]:
+    """The family's plan (submodule -> ``"colwise"``/``"rowwise"``) as PyTorch's styles."""
+    return {name: _STYLES[style]() for name, style in plan.items()}
+
+
+def _check_divisible(layer: nn.Module, plan: dict[str, str], tp: int) -> None:
+    """Every split linear of ``plan`` has a number of features (outputs of a column-parallel
+    one, inputs of a row-parallel one) that ``tp`` divides."""
+    for name, style in plan.items():
+        linear = layer.get_submodule(name)
+        size = linear.out_features if style == "colwise" else linear.in_features
+        if size % tp:
+            side = "output" if style == "colwise" else "input"
+            raise ValueError(
+                f"tensor parallelism: the {size} {side} features of {name} (the intermediate "
+                f"size, for a BERT's fc1/fc2) do not divide over --tensor-parallel {tp}"
+            )
 
 
 def _broadcast_replicated(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -148,18 +159,20 @@ def parallelize_bert(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         raise ValueError("parallelize_bert: the model is already tensor-parallel")
     tp = mesh.size()
     layers = bert_layers(model)
+    family = _family(model)
+    plan, attention = family.tp_plan, family.tp_attention
     for layer in layers:
-        attn = layer.attn
+        attn = layer.get_submodule(attention)
         qkv_permutation(attn.num_heads, attn.head_dim, tp)  # validates the head count
-        _check_divisible(layer, tp)
+        _check_divisible(layer, plan, tp)
     for layer in layers:
-        attn = layer.attn
+        attn = layer.get_submodule(attention)
         perm = qkv_permutation(attn.num_heads, attn.head_dim, tp)
         with torch.no_grad():
             attn.qkv.weight.copy_(attn.qkv.weight[perm])
             if attn.qkv.bias is not None:
                 attn.qkv.bias.copy_(attn.qkv.bias[perm])
-        parallelize_module(layer, mesh, _linear_styles(layer))
+        parallelize_module(layer, mesh, _linear_styles(plan))
         attn.num_heads //= tp
         attn._tp_perm = perm  # read by the state-dict hooks and the optimizer-state helpers
     setattr(model, _TP_ATTR, mesh)
@@ -175,16 +188,9 @@ def unsplit_model(model: nn.Module) -> nn.Module:
     that is not tensor-parallel is returned as is."""
     if not is_tensor_parallel(model):
         return model
-    from modelzoo.nlp.bert import BertForSequenceClassification, BertModel
-
     state = model.state_dict()  # gathers the shards
     with torch.random.fork_rng():  # building a model draws its init; training's RNG is kept
-        if isinstance(model, BertModel):
-            plain: nn.Module = BertModel(model.config, add_pooler=model.pooler is not None)
-        elif isinstance(model, BertForSequenceClassification):
-            plain = BertForSequenceClassification(model.config, model.num_classes)
-        else:
-            plain = type(model)(model.config)
+        plain = _family(model).unsplit_copy(model)
     first = next(iter(state.values()))
     plain.to(device=first.device, dtype=first.dtype)
     plain.load_state_dict(state)
