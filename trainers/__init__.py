@@ -1,8 +1,10 @@
 """trainers: the shared distributed training loop of modelzoo's scripts.
 
 ``DistEnv`` reads torchrun's environment, ``Trainer`` runs the loop (accumulation, mixed
-precision, clipping, gradient combining, evaluation, checkpoints, run logs). This package
-never imports ``modelzoo``.
+precision, clipping, gradient combining, evaluation, checkpoints, run logs). Of ``modelzoo``
+this package imports only the model-family protocol (``modelzoo.family``: model parallelism
+asks a model's family for its blocks and layers) and two shared utilities (atomic writes, the
+C-kernel loader); ``tests/test_imports.py`` checks it.
 """
 
 from . import comm, elastic, optim, schedules
