@@ -29,6 +29,7 @@ __all__ = [
     "register_model",
 ]
 
+
 def get_weights(name: str, tag: str | bool = True) -> Weights:
     """The :class:`Weights` of model ``name`` for ``tag`` (``True``: the default tag)."""
     entry = get_model_entry(name)

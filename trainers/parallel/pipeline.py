@@ -66,6 +66,31 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
     return family_of(model, "pipeline parallelism").pipeline_blocks(model)
 
 
+def _min_max_boundaries(
+    num_blocks: int, num_stages: int, stage_cost: Callable[[int, int, int], float]
+) -> tuple[float, list[int]]:
+    """Contiguous stage boundaries ``[0, b_1, ..., num_blocks]`` (each stage at least one
+    block) minimising the largest ``stage_cost(s, i, j)`` of stage ``s`` = blocks ``i .. j-1``,
+    and that largest cost (exact, by dynamic programming). Shared by
+    :func:`balanced_boundaries` and the planner's least-memory split."""
+    n = num_blocks
+    inf = float("inf")
+    # best[s][j]: the smallest possible largest stage over the first j blocks in s stages
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for j in range(s, n + 1):
+            for i in range(s - 1, j):
+                value = max(best[s - 1][i], stage_cost(s - 1, i, j))
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, i
+    bounds = [n]
+    for s in range(num_stages, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    return best[num_stages][n], bounds[::-1]
+
+
 def balanced_boundaries(costs: Sequence[float], num_stages: int) -> list[int]:
     """Stage boundaries ``[0, b_1, ..., len(costs)]`` minimising the largest stage's total
     cost (contiguous stages, each at least one block; exact, by dynamic programming)."""
@@ -77,21 +102,7 @@ def balanced_boundaries(costs: Sequence[float], num_stages: int) -> list[int]:
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
-    inf = float("inf")
-    # best[s][i]: the smallest possible largest stage over the first i blocks in s stages
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, num_stages + 1):
-        for i in range(s, n + 1):
-            for j in range(s - 1, i):
-                value = max(best[s - 1][j], prefix[i] - prefix[j])
-                if value < best[s][i]:
-                    best[s][i], cut[s][i] = value, j
-    bounds = [n]
-    for s in range(num_stages, 0, -1):
-        bounds.append(cut[s][bounds[-1]])
-    return bounds[::-1]
+    return _min_max_boundaries(n, num_stages, lambda s, i, j: prefix[j] - prefix[i])[1]
 
 
 def check_boundaries(
