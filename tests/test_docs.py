@@ -34,6 +34,21 @@ def test_combiner_table_is_current():
         assert f"| `{mode}` |" in text
 
 
+def test_optimizer_options_table_is_current():
+    """docs/optimizers.md lists every option flag of trainers.optim.OptimizerOptions."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_optim_docs.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    from trainers.optim import option_fields
+
+    text = (ROOT / "docs" / "optimizers.md").read_text(encoding="utf-8")
+    for field in option_fields():
+        assert f"| `{field.flag}" in text
+
+
 def test_readme_starts_with_the_two_commands():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     blocks = [b.split("```", 1)[0].strip() for b in text.split("```bash")[1:3]]

@@ -157,6 +157,9 @@ def test_the_flags_table_names_every_shared_flag():
 
     documented_elsewhere = set(combiner_flags()) | {"--grad-combine", "--help"}
     documented_elsewhere |= {"--no-" + f[2:] for f in combiner_flags()}  # bool: --x / --no-x
+    from trainers.optim import option_fields  # generated in docs/optimizers.md
+
+    documented_elsewhere |= {flag for field in option_fields() for flag in field.flags}
     missing = sorted(
         f for f, n in shared.items() if n > 1 and f not in table and f not in documented_elsewhere
     )
