@@ -5,7 +5,7 @@
 >>> pipeline("image-classification", "resnest50")("cat.jpg")  # doctest: +SKIP
 """
 
-# Importing the families (graph, nlp.bert, vision.resnest) registers their builders;
+# Importing the families (graph, nlp.bert, vision.resnest, vision.resnet) registers their builders;
 # graph.datasets and nlp.squad register their public data sets (modelzoo.data).
 from . import graph  # noqa: F401  (registration side effect)
 from .artifact import load_artifact, save_artifact
@@ -14,7 +14,7 @@ from .nlp import bert, squad  # noqa: F401  (registration side effect)
 from .pipelines import pipeline
 from .registry import get_model, get_weights, list_models, register_model
 from .store import purge
-from .vision import resnest  # noqa: F401  (registration side effect)
+from .vision import resnest, resnet  # noqa: F401  (registration side effect)
 from .weights import Weights
 
 __version__ = "0.1.0"

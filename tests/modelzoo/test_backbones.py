@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import modelzoo
+from modelzoo.family import find_family
 from modelzoo.features import FeatureListNet, create_features
 from modelzoo.registry import get_model_entry
 from modelzoo.vision.resnest import ResNeSt
@@ -34,9 +35,18 @@ from .test_registry import _serve_weights, scratch_registry  # noqa: F401  (fixt
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "gluoncv_resnest"
 ALL = modelzoo.list_models()
-# Every ResNeSt builder of the registry (new ones are tested for free); the rest are not
-# backbones.
-BACKBONES = [n for n in ALL if get_model_entry(n).builder.__module__ == "modelzoo.vision.resnest"]
+
+
+def _is_backbone(name: str) -> bool:
+    """Whether the registered model's family declares feature maps (built on meta: free)."""
+    with torch.device("meta"):
+        family = find_family(get_model_entry(name).builder())
+    return family is not None and family.features is not None
+
+
+# Every registered model whose family declares features (new ones are tested for free: the
+# ResNeSts, the ResNet v1b/v1d); the rest are not backbones.
+BACKBONES = [n for n in ALL if _is_backbone(n)]
 NOT_BACKBONES = [n for n in ALL if n not in BACKBONES]
 STAGES = ("relu", "layer1", "layer2", "layer3", "layer4")  # the full model's modules, 0..4
 
@@ -158,7 +168,7 @@ def test_features_equal_the_full_model_in_training_mode():
 @pytest.mark.parametrize("name", BACKBONES)
 def test_feature_info_matches_the_outputs(name):
     """Shapes the forward really produces (meta tensors: shapes without arithmetic) against
-    feature_info, for every registered ResNeSt; channels against the layers themselves."""
+    feature_info, for every registered backbone; channels against the layers themselves."""
     with torch.device("meta"):
         net = modelzoo.get_model(name, features_only=True)
         feats = net(torch.empty(2, 3, 64, 96))
@@ -167,7 +177,7 @@ def test_feature_info_matches_the_outputs(name):
     assert info.reduction() == [2, 4, 8, 16, 32]
     assert info.module_name() == list(STAGES)
     assert info.channels() == [
-        net.conv1[-1].out_channels,  # the deep stem's last conv (2 x stem width)
+        net.bn1.num_features,  # the stem's output (a deep stem: 2 x its width)
         *(getattr(net, f"layer{i}")[-1].conv3.out_channels for i in range(1, 5)),
     ]
     modules = dict(net.named_modules())

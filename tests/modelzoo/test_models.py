@@ -17,6 +17,7 @@ from modelzoo.graph import GIN
 from modelzoo.graph._common import NodeClassifier
 from modelzoo.nlp.bert import BertForSequenceClassification
 from modelzoo.vision.resnest import ResNeSt
+from modelzoo.vision.resnet import ResNetV1b
 
 ALL = modelzoo.list_models()
 PRETRAINED = [
@@ -45,7 +46,7 @@ def _example_input(model: nn.Module) -> torch.Tensor | tuple:
         if isinstance(model, GIN):  # nodes 0-2 and 3-4 are two graphs
             return (x, edge_index, torch.tensor([0, 0, 0, 1, 1]), 2)
         return (x, edge_index)
-    if isinstance(model, ResNeSt):
+    if isinstance(model, (ResNeSt, ResNetV1b)):
         return torch.randn(2, 3, 32, 32)
     if isinstance(model, BertForSequenceClassification):
         return torch.randint(0, model.config.vocab_size, (2, 12))
