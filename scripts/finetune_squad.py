@@ -360,6 +360,20 @@ def check_args(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class WarmupLinear:
+    """GluonNLP's SQuAD schedule in epochs (the trainer builds it per step): linear warmup
+    over ``int(total_steps x warmup_ratio)`` steps, then linear decay to 0."""
+
+    lr: float
+    warmup_ratio: float
+
+    def build(self, *, steps_per_epoch: int, epochs: int) -> Any:
+        total = steps_per_epoch * epochs
+        return create_schedule("linear", base_lr=self.lr, total_steps=total,
+                               warmup_steps=int(total * self.warmup_ratio))  # fmt: skip
+
+
 class TrainFeatures(Dataset):
     """Training windows: each item is one :class:`SquadFeature`."""
 
@@ -693,21 +707,6 @@ def main(argv: list[str] | None = None) -> int:
     model, env = apply_model_parallel(args, world, model, inputs_of=pipeline_inputs)
     optimizer = build_optimizer(args, model)
     combiner = build_combiner(args, env)
-    global_batch = args.batch_size * args.accumulate * combiner.data_parts(env.world_size)
-    steps_per_epoch = len(train_features) // global_batch if train_features else 1
-    if train_features is not None and steps_per_epoch < 1:
-        raise SystemExit(
-            f"{len(train_features)} training windows are fewer than one global batch of "
-            f"{global_batch} (--batch-size x --accumulate x workers); lower --batch-size"
-        )
-    total_steps = steps_per_epoch * args.epochs
-    schedule = create_schedule(
-        "linear",
-        base_lr=args.lr,
-        total_steps=total_steps,
-        warmup_steps=int(total_steps * args.warmup_ratio),
-    )
-    logger.step_line = gluonnlp_step_line(steps_per_epoch)
     config = TrainerConfig(
         epochs=args.epochs,
         max_steps=args.max_steps,
@@ -724,11 +723,14 @@ def main(argv: list[str] | None = None) -> int:
         skip_nonfinite=args.skip_nonfinite,
     )
     trainer = Trainer(
-        model, optimizer, config, env=env, logger=logger, lr_schedule=schedule,
+        model, optimizer, config, env=env, logger=logger,
+        lr_schedule=WarmupLinear(args.lr, args.warmup_ratio),
         train_step=task.train_step, eval_step=task.eval_step if eval_set is not None else None,
         combiner=combiner,
         hooks=[PredictionFiles(task, env, logger, output_dir)],
     )  # fmt: skip
+    if train_features is not None:  # fewer windows than one global batch: a usage error
+        logger.step_line = gluonnlp_step_line(trainer.steps_per_epoch(len(train_features)))
     ema = build_ema(
         args, model, eval_dataset=eval_set, collate_fn=Collate(tokenizer.pad_id),
         on_evaluated=lambda t, m: task.finish_eval(env, logger, output_dir / "ema"),

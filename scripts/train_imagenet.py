@@ -58,13 +58,13 @@ from trainers.cli import (
     build_elastic,
     build_ema,
     build_optimizer,
-    build_schedule,
     describe_defaults,
     elastic_resuming,
     export_source,
     print_config,
     run_configs,
     run_main,
+    schedule_config,
     unsplit_for_saving,
 )
 from trainers.errors import UsageError
@@ -515,17 +515,6 @@ def main(argv: list[str] | None = None) -> int:
     model, env = apply_model_parallel(args, world, model, inputs_of=lambda batch: batch[:1])
     optimizer = build_optimizer(args, model)
     combiner = build_combiner(args, env)
-    global_batch = args.batch_size * args.accumulate * combiner.data_parts(env.world_size)
-    steps_per_epoch = len(train_set) // global_batch
-    if steps_per_epoch < 1:
-        raise SystemExit(
-            f"{len(train_set)} training images are fewer than one global batch of {global_batch} "
-            "(--batch-size x --accumulate x workers); lower --batch-size"
-        )
-    try:
-        schedule = build_schedule(args, steps_per_epoch=steps_per_epoch, epochs=args.num_epochs)
-    except ValueError as err:  # whole steps: a warmup that fits in epochs may not in steps
-        raise UsageError(f"--warmup-epochs {args.warmup_epochs:g}: {err}") from None
     task = ImageClassificationTask(
         num_classes,
         label_smoothing=args.label_smoothing,
@@ -544,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     if ema is not None:
         hooks.append(ema)
     trainer = Trainer(
-        model, optimizer, config, env=env, logger=logger, lr_schedule=schedule,
+        model, optimizer, config, env=env, logger=logger, lr_schedule=schedule_config(args),
         train_step=task.train_step, eval_step=task.eval_step if val_set is not None else None,
         combiner=combiner, hooks=hooks,
     )  # fmt: skip

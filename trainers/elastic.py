@@ -460,7 +460,7 @@ class ElasticState:
                     "one, or use lr_scaling='none'"
                 )
             return
-        if schedule is None and self.lr_scaling != "none":
+        if schedule is None and trainer.schedule_config is None and self.lr_scaling != "none":
             groups = trainer.optimizer.param_groups
             base_lrs = {g["lr"] / g.get("lr_scale", 1.0) for g in groups}
             if len(base_lrs) > 1:

@@ -43,6 +43,11 @@ Contracts with the script:
   0-based global optimizer step (e.g. :class:`trainers.schedules.LRSchedule`; each group
   gets ``lr * group.get("lr_scale", 1)``), or a ``torch.optim.lr_scheduler.LRScheduler``
   (stepped after every optimizer step). Its ``state_dict`` is checkpointed if it has one.
+  Or a schedule in epochs, an object with ``build(*, steps_per_epoch, epochs)`` returning
+  one of the above (:class:`~trainers.config.ScheduleConfig`): the trainer builds it when
+  :meth:`fit` learns the training set's size, at :meth:`steps_per_epoch` steps per epoch
+  over ``config.epochs``, so a script never counts steps itself and a combining mode that
+  changes the step count (``data_parts``) changes the schedule too.
 
 Batch sizes: ``config.batch_size`` is per rank and per micro-step; one optimizer step
 consumes ``batch_size * grad_accum_steps * world_size`` samples.
@@ -86,10 +91,10 @@ from torch.utils.data import DataLoader, Dataset
 from ._dtensor import is_pipeline_parallel, is_tensor_parallel, local_tensor
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import AverageCombiner, GradCombiner
-from .config import _PRECISIONS, TrainerConfig
+from .config import _PRECISIONS, ScheduleConfig, TrainerConfig
 from .data import SeededDataset, ShardedSampler, derive_seed
 from .dist import DistEnv
-from .errors import NonFiniteError
+from .errors import NonFiniteError, UsageError
 from .logs import RunLogger, progress_bar
 from .loop_state import Meter as _Meter
 from .loop_state import elapsed as _elapsed
@@ -133,7 +138,7 @@ class Trainer:
         eval_step: EvalStep | None = None,
         env: DistEnv | None = None,
         logger: RunLogger | None = None,
-        lr_schedule: Callable[[int], float] | Any | None = None,
+        lr_schedule: Callable[[int], float] | ScheduleConfig | Any | None = None,
         combiner: GradCombiner | None = None,
         hooks: Iterable[Any] = (),
     ) -> None:
@@ -141,7 +146,11 @@ class Trainer:
         self.env = env if env is not None else DistEnv.from_env()
         self.logger = logger if logger is not None else RunLogger(None, enabled=self.env.is_main)
         self.optimizer = optimizer
-        self.lr_schedule = lr_schedule
+        # A schedule in epochs becomes per-step in fit (or from a checkpoint's, on resume).
+        in_epochs = callable(getattr(lr_schedule, "build", None))
+        self.schedule_config = lr_schedule if in_epochs else None
+        self.lr_schedule = None if self.schedule_config is not None else lr_schedule
+        self._schedule_state: dict[str, Any] | None = None  # a checkpoint's, before fit
         self.train_step = train_step
         self.eval_step = eval_step
         self.hooks = list(hooks)
@@ -226,6 +235,10 @@ class Trainer:
     ) -> dict[str, float]:
         """Train until ``config.epochs`` (or ``config.max_steps``); returns the final metrics."""
         cfg, env = self.config, self.env
+        if self.schedule_config is not None and self.lr_schedule is None:
+            self.lr_schedule = self._build_schedule(len(train_dataset))  # type: ignore[arg-type]
+            if self._schedule_state is not None and hasattr(self.lr_schedule, "load_state_dict"):
+                self.lr_schedule.load_state_dict(self._schedule_state)
         sampler = self._train_sampler(len(train_dataset))  # type: ignore[arg-type]
         self.train_sampler = sampler
         loader = self._loader(train_dataset, sampler, collate_fn, persistent=True)
@@ -373,6 +386,43 @@ class Trainer:
     def add_hook(self, hook: Any) -> None:
         """Append ``hook`` (called after the hooks given at construction)."""
         self.hooks.append(hook)
+
+    def global_batch_size(self) -> int:
+        """Samples of one optimizer step: ``batch_size x grad_accum_steps x`` the combiner's
+        data parts (the data-parallel world size, but for coded modes)."""
+        cfg = self.config
+        return cfg.batch_size * cfg.grad_accum_steps * self.combiner.data_parts(self.env.world_size)
+
+    def steps_per_epoch(self, num_samples: int) -> int:
+        """Whole optimizer steps in an epoch of ``num_samples`` training samples: what a
+        schedule in epochs counts (:class:`~trainers.config.ScheduleConfig`).
+
+        Raises:
+            UsageError: Fewer samples than one global batch.
+        """
+        steps = num_samples // self.global_batch_size()
+        if steps < 1:
+            cfg = self.config
+            raise UsageError(
+                f"{num_samples} training samples are fewer than one global batch of "
+                f"{self.global_batch_size()} (batch size {cfg.batch_size} x accumulation "
+                f"{cfg.grad_accum_steps} x {self.combiner.data_parts(self.env.world_size)} "
+                "workers: --batch-size x --accumulate x workers); lower the batch size"
+            )
+        return steps
+
+    def _build_schedule(self, num_samples: int) -> Any:
+        steps = self.steps_per_epoch(num_samples)
+        schedule = self.schedule_config
+        try:
+            return schedule.build(steps_per_epoch=steps, epochs=self.config.epochs)
+        except ValueError as err:  # whole steps: a warmup that fits in epochs may not in steps
+            warmup = getattr(schedule, "warmup_epochs", None)
+            what = f" (warmup {warmup:g} epochs, --warmup-epochs)" if warmup is not None else ""
+            raise UsageError(
+                f"the learning-rate schedule{what} at {steps} steps per epoch x "
+                f"{self.config.epochs} epochs: {err}"
+            ) from None
 
     def request_stop(self) -> None:
         """End :meth:`fit` before the next optimizer step (e.g. early stopping)."""
@@ -930,7 +980,12 @@ class Trainer:
             from .parallel.tensor import shard_optimizer_state_
 
             shard_optimizer_state_(self.model, self.optimizer)
-        if state["lr_schedule"] is not None and hasattr(self.lr_schedule, "load_state_dict"):
+        if state["lr_schedule"] is not None and self.schedule_config is not None:
+            if self.lr_schedule is None:  # resumed before fit built it: loaded once it is
+                self._schedule_state = state["lr_schedule"]
+            else:
+                self.lr_schedule.load_state_dict(state["lr_schedule"])
+        elif state["lr_schedule"] is not None and hasattr(self.lr_schedule, "load_state_dict"):
             self.lr_schedule.load_state_dict(state["lr_schedule"])  # type: ignore[union-attr]
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])

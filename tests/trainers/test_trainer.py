@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 
 import pytest
@@ -25,6 +26,9 @@ from trainers import (
     TrainerConfig,
     load_checkpoint,
 )
+from trainers.config import ScheduleConfig
+from trainers.errors import UsageError
+from trainers.schedules import create_schedule
 
 ENV = DistEnv()  # a world of one, no process group
 
@@ -483,3 +487,44 @@ def test_an_injected_straggler_sleeps_its_factor():
     for bad in ("2", "a:2", "1:0.5", "-1:2"):
         with pytest.raises(Exception, match="expected RANK:FACTOR"):
             straggler_arg(bad)
+
+
+def test_a_schedule_in_epochs_is_built_at_the_data_sets_steps_and_resumes(tmp_path):
+    """A ScheduleConfig becomes per-step when fit learns the data's size: 44 samples at 4 x 2
+    per step are 5 whole steps per epoch (the hand count create_schedule gets below), and the
+    run equals one given that per-step schedule. A checkpoint's schedule wins on a resume
+    before fit (as it does over a schedule given per step)."""
+    data = ToyDataset(44)
+    cfg = dict(batch_size=4, grad_accum_steps=2, seed=5, log_interval=0)
+    in_epochs = ScheduleConfig(mode="cosine", base_lr=0.2, warmup_epochs=1.0, warmup_lr=0.01)
+    per_step = create_schedule("cosine", base_lr=0.2, total_steps=15, warmup_steps=5,
+                               warmup_lr=0.01, steps_per_epoch=5)  # fmt: skip
+    ours = make_trainer(make_mlp(), TrainerConfig(epochs=3, **cfg), lr_schedule=in_epochs)
+    assert ours.lr_schedule is None and ours.steps_per_epoch(44) == 5
+    ours.fit(data)
+    assert ours.lr_schedule == per_step
+    given = make_trainer(make_mlp(), TrainerConfig(epochs=3, **cfg), lr_schedule=per_step)
+    given.fit(data)
+    assert ours.global_step == given.global_step == 18  # 6 steps an epoch, the last shorter
+    for a, b in zip(params(ours.model), params(given.model), strict=True):
+        assert torch.equal(a, b)
+
+    first = make_trainer(make_mlp(), TrainerConfig(epochs=3, max_steps=8, **cfg),
+                         lr_schedule=in_epochs)  # fmt: skip
+    first.fit(data)
+    first.save_checkpoint(tmp_path / "mid.pt")
+    other = dataclasses.replace(in_epochs, base_lr=0.9)
+    resumed = make_trainer(make_mlp(seed=3), TrainerConfig(epochs=3, **cfg), lr_schedule=other)
+    resumed.resume(tmp_path / "mid.pt")
+    resumed.fit(data)
+    assert resumed.lr_schedule == per_step
+    for a, b in zip(params(resumed.model), params(given.model), strict=True):
+        assert torch.equal(a, b)
+
+    with pytest.raises(UsageError, match="fewer than one global batch of 8"):
+        make_trainer(make_mlp(), TrainerConfig(epochs=1, **cfg), lr_schedule=in_epochs).fit(
+            ToyDataset(7)
+        )
+    short = dataclasses.replace(in_epochs, warmup_epochs=0.0, const_epochs=3.2)
+    with pytest.raises(UsageError, match="at 5 steps per epoch x 3 epochs"):
+        make_trainer(make_mlp(), TrainerConfig(epochs=3, **cfg), lr_schedule=short).fit(data)
