@@ -43,3 +43,13 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     A test that wants another cache directory, a mirror or offline mode sets it itself
     after this fixture (``monkeypatch.setenv``)."""
     return isolate(monkeypatch, tmp_path / "home")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests on a multi-process fixture declared with ``tests._tiers.slow_fixture`` join
+    the slow tier (``-m "not slow"`` leaves them out; CI runs them)."""
+    from tests._tiers import uses_slow_fixture
+
+    for item in items:
+        if uses_slow_fixture(item):
+            item.add_marker(pytest.mark.slow)

@@ -105,6 +105,7 @@ def test_the_report_compares_the_medians_with_the_formula():
         assert verdict["measured"] == (med[a] < med["allgather"])
 
 
+@pytest.mark.slow
 @pytest.mark.netlab
 @pytest.mark.dist
 @pytest.mark.skipif(WHY is not None, reason=f"netlab: {WHY}")

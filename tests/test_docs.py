@@ -10,6 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_model_zoo_table_is_current():
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "make_model_zoo_docs.py"), "--check"],

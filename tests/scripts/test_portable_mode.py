@@ -39,6 +39,7 @@ def _fingerprint(pins: dict[str, str]) -> dict:
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 def test_the_mode_turns_onednn_off_and_the_fingerprint_records_it():
     portable, pinned = _fingerprint(PORTABLE_EXACT_PINS), _fingerprint(PORTABLE_CPU_PINS)
     assert portable["onednn"] is False and pinned["onednn"] is True

@@ -145,6 +145,7 @@ def _run(*args: str) -> int:
     return publish.main(list(args))
 
 
+@pytest.mark.slow
 def test_run_publishes_seeds_and_their_claim(fake_repo):
     claims = fake_repo / "logs" / "claims.json"
     rc = _run("--claims", str(claims), "run", "fake", "--seeds", "0-2", "--metric", "top1",
@@ -171,6 +172,7 @@ def test_run_publishes_seeds_and_their_claim(fake_repo):
     assert header["fingerprint"]["threads"] == 1
 
 
+@pytest.mark.slow
 def test_a_failed_seed_leaves_no_log_and_restores_the_one_it_replaced(fake_repo):
     claims = fake_repo / "logs" / "claims.json"
     base = ["--claims", str(claims), "run", "fake", "--metric", "top1", "--minimum", "0.5",
@@ -293,6 +295,7 @@ def _publish(claims, *flags, command=("scripts/fake.py",), seeds="0-2", minimum=
                 "--", *command)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_every_recipe_states_its_trivial_level_and_baseline(fake_repo):
     claims = fake_repo / "logs" / "claims.json"
     assert _publish(claims, command=("scripts/fake.py", "--trivial", "0.25")) == 0
@@ -400,6 +403,7 @@ def test_claims_refusals(tmp_path):
             load_claims(tmp_path / "c.json")
 
 
+@pytest.mark.slow
 def test_a_terminated_publication_leaves_no_partial_log(fake_repo):
     """SIGTERM (a killed job) unwinds like a failure: the partial log goes, the old one comes
     back, and publish.py exits 128 + 15. The job is a real publish.py process (a copy in the

@@ -214,6 +214,7 @@ def test_main_reruns_and_passes(tmp_path, capsys):
     assert "reproduced: 3 records match" in out
 
 
+@pytest.mark.slow
 def test_main_fails_on_divergence(tmp_path, capsys):
     log = _published_log(tmp_path, ["--noise", "0.01"])
     assert reproduce.main([str(log), "--python", sys.executable]) == 1
@@ -221,6 +222,7 @@ def test_main_fails_on_divergence(tmp_path, capsys):
     assert "first divergence at step epoch=0 step=1" in err and "'loss'" in err
 
 
+@pytest.mark.slow
 def test_main_reports_failed_rerun(tmp_path, capsys):
     log = _published_log(tmp_path, ["--no-such-flag"])
     assert reproduce.main([str(log), "--python", sys.executable]) == 3
@@ -271,6 +273,7 @@ def test_main_says_not_comparable_for_a_log_without_fingerprint(tmp_path, capsys
     assert "rerunning" not in out  # an exact check that cannot be made is not spent
 
 
+@pytest.mark.slow
 def test_main_says_not_comparable_for_another_processor(tmp_path, capsys):
     other = reproduce.native_fingerprint()
     other["cpu"] = {**other["cpu"], "vendor": "SomeOtherVendor", "model": -1}
@@ -299,6 +302,7 @@ FULL_TRAINER = FAKE_TRAINER.replace(
 )
 
 
+@pytest.mark.slow
 def test_full_rerun_checks_the_claim(tmp_path, capsys):
     log = _published_log(tmp_path)
     (tmp_path / "fake_train.py").write_text(textwrap.dedent(FULL_TRAINER))
@@ -312,6 +316,7 @@ def test_full_rerun_checks_the_claim(tmp_path, capsys):
     assert "claim missed" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_full_rerun_at_the_trivial_level_fails_whatever_the_band(tmp_path, capsys):
     log = _published_log(tmp_path)
     (tmp_path / "fake_train.py").write_text(textwrap.dedent(FULL_TRAINER))
@@ -321,6 +326,7 @@ def test_full_rerun_at_the_trivial_level_fails_whatever_the_band(tmp_path, capsy
     assert "at the task's trivial level (majority class (x))" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_full_rerun_of_a_negative_result_checks_that_the_failure_reproduces(tmp_path, capsys):
     log = _published_log(tmp_path)
     (tmp_path / "fake_train.py").write_text(textwrap.dedent(FULL_TRAINER))
@@ -332,6 +338,7 @@ def test_full_rerun_of_a_negative_result_checks_that_the_failure_reproduces(tmp_
     assert "negative result NOT reproduced" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_full_rerun_on_a_machine_that_cannot_compare_exits_4_when_the_claim_holds(tmp_path, capsys):
     log = _published_log(tmp_path, fingerprint=None)
     (tmp_path / "fake_train.py").write_text(textwrap.dedent(FULL_TRAINER))

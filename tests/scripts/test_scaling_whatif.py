@@ -135,8 +135,15 @@ def test_no_overlap_when_the_compute_fills_the_cores(tmp_path, capsys):
         whatif.overlap_for_cores(2 / 3, 1, 0)
     # the tool with a log of --grad-combine average (o = 2/3): T_step = T_c + T_comm at 1 Gbps
     log = tmp_path / "run.jsonl"
-    lines = [{"kind": "header", "world_size": 2, "seed": 0, "command": ["scripts/train_imagenet.py"],
-              "config": {"model": "resnest14", "batch_size": 32, "grad_combine": "average"}}]
+    lines = [
+        {
+            "kind": "header",
+            "world_size": 2,
+            "seed": 0,
+            "command": ["scripts/train_imagenet.py"],
+            "config": {"model": "resnest14", "batch_size": 32, "grad_combine": "average"},
+        }
+    ]
     lines += [{"kind": "step", "step": i, "samples_per_sec": 640.0, "grad_bytes": 1.25e8}
               for i in range(1, 6)]  # fmt: skip
     log.write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -317,6 +324,7 @@ def test_train_gnn_graph_datasets_match():
     assert set(whatif.GNN_GRAPH_DATASETS) == set(_train_gnn_graph_datasets())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", LOGS, ids=[p.relative_to(ROOT / "logs").as_posix() for p in LOGS])
 def test_runs_on_every_published_log(path, capsys):
     records = _records(path)

@@ -191,6 +191,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_two_process_minibatch_training(tmp_path):
     log = tmp_path / "dist.jsonl"
@@ -214,6 +215,7 @@ def test_two_process_minibatch_training(tmp_path):
     assert records[-1]["best_test_acc"] >= 0.8  # as the one-process runs above
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "mode",

@@ -138,6 +138,7 @@ def test_bad_data_errors_name_the_file_and_line(script, tmp_path):
         script.main(["--loss", "multinomial"])
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_two_process_feature_partitioned_run_equals_one_process(script, tmp_path):
     flags = ["--dataset", "wine", "--solver", "casgd", "--s-steps", "4", "--num-epochs", "5"]

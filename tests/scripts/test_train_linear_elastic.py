@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._tiers import slow_fixture
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "train_linear.py"
 CRASH_VAR = "TRAIN_LINEAR_TEST_CRASH_AT"
@@ -161,7 +163,7 @@ CASGD = ["--dataset", "wine", "--solver", "casgd", "--s-steps", "4", "--precisio
          "--batch-size", "16", "--num-epochs", "3", "--elastic-checkpoint-steps", "6"]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def jobs(script, tmp_path_factory):
     """Every run of the three resume tests: the uninterrupted oracles, the crashed runs and
     their resumptions; in this process (1 rank) or in one launch of 2 ranks."""
@@ -298,6 +300,7 @@ def _torchrun_job(script, tmp_path, launcher: list[str], env: dict[str, str]):
     return _records(tmp_path / "oracle.jsonl"), log, result
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_torchrun_max_restarts_resumes_after_a_crash(script, tmp_path):
     oracle, log, result = _torchrun_job(

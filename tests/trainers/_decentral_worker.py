@@ -250,13 +250,19 @@ def main(out: Path) -> None:
             res["localsgd_h1"] = final(fit_(trainer_for(env, "localsgd", period=1)))
         if n == 4:
             rec = Recorder()
-            trainer = trainer_for(env, "adpsgd", momentum=0.0, wd=0.0, hooks=[rec], asynchronous=False)
+            trainer = trainer_for(
+                env, "adpsgd", momentum=0.0, wd=0.0, hooks=[rec], asynchronous=False
+            )
             trainer.fit(ToyDataset(N, noise=0.1))
             res["adpsgd_sync"] = {"params": rec.params, "grads": rec.grads, "lrs": rec.lrs}
             res["identical_adpsgd"] = identical_data(env, "adpsgd", asynchronous=False)
-            res["identical_h_adpsgd"] = identical_data(env, "adpsgd", node_size=2, asynchronous=False)
+            res["identical_h_adpsgd"] = identical_data(
+                env, "adpsgd", node_size=2, asynchronous=False
+            )
             res["consensus"] = consensus_at_lr_zero(env)
-            res["h_adpsgd_one_node"] = final(fit_(trainer_for(env, "adpsgd", node_size=4, asynchronous=False)))
+            res["h_adpsgd_one_node"] = final(
+                fit_(trainer_for(env, "adpsgd", node_size=4, asynchronous=False))
+            )
             res["average"] = final(fit_(trainer_for(env, "average")))
             rec = Recorder()
             fit_(trainer_for(env, "adpsgd", node_size=2, hooks=[rec], asynchronous=False))
@@ -268,7 +274,9 @@ def main(out: Path) -> None:
                 "sgp": resumed_vs_straight(env, "sgp", out),
                 "sgp-overlap2": resumed_vs_straight(env, "sgp", out, overlap=2),
                 "adpsgd": resumed_vs_straight(env, "adpsgd", out, asynchronous=False),
-                "h-adpsgd": resumed_vs_straight(env, "adpsgd", out, node_size=2, asynchronous=False),
+                "h-adpsgd": resumed_vs_straight(
+                    env, "adpsgd", out, node_size=2, asynchronous=False
+                ),
                 "pipesgd": resumed_vs_straight(env, "pipesgd", out),
                 "pipesgd-fp16": resumed_vs_straight(env, "pipesgd", out, compressor="fp16"),
             }

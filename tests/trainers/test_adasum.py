@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from modelzoo import _native as native_loader
+from tests._tiers import slow_fixture
 from tests.trainers._trainer_toys import ToyDataset, lr_fn, make_mlp, train_step
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
 from trainers.cli import add_distributed_args, add_optimizer_args, build_combiner, build_optimizer
@@ -271,6 +272,7 @@ def test_a_zero_side_with_no_guard_gives_the_other_side():
     assert torch.equal(adasum_pair(b, torch.zeros(3), eps=0.0), b)
 
 
+@pytest.mark.slow
 def test_c_kernels_fall_back_without_a_compiler(monkeypatch):
     monkeypatch.setattr(native_loader, "_LOADED", {})
     monkeypatch.setattr(native_loader.shutil, "which", lambda name: None)
@@ -440,7 +442,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("adasum")
     ports = [str(free_port()) for _ in range(3)]

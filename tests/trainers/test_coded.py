@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._tiers import slow_fixture
 from tests.trainers._coded_worker import DELAY, STEPS
 from tests.trainers._launch import run_ranks
 from trainers import create_combiner
@@ -30,17 +31,17 @@ def _launch(tmp_path_factory, world: int, branching: int, stragglers: int, *more
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def tree7(tmp_path_factory):
     return _launch(tmp_path_factory, 7, 2, 1)
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def tree3_exact(tmp_path_factory):
     return _launch(tmp_path_factory, 3, 2, 0)
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def persistent3(tmp_path_factory):
     return _launch(tmp_path_factory, 3, 2, 1, "persistent")
 
@@ -113,7 +114,7 @@ def test_a_persistent_straggler_catches_up_by_skipping_decided_steps(persistent3
             assert torch.equal(a, b)
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def persistent7(tmp_path_factory):
     return _launch(tmp_path_factory, 7, 2, 1, "persistent")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._tiers import slow_fixture
 from tests.trainers._launch import run_ranks
 from tests.trainers._trainer_toys import ToyDataset, make_mlp, plain_loop
 
@@ -20,7 +21,7 @@ N, GLOBAL_BATCH, STEPS, SEED = 48, 8, 12, 5  # as in _comm_worker.py
 ATOL = 1e-5  # reduction order across two processes (as test_trainer_dist.py)
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("comm")
     run_ranks("tests.trainers._comm_worker", [str(out)], timeout=300)

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests._tiers import slow_fixture
 from tests.trainers._cser_worker import (
     CASES,
     EVAL_AFTER,
@@ -152,7 +153,7 @@ def transcribe(name: str, world: int) -> dict:
     return {"steps": steps, "evals": evals, "final": final, "elements": trainer.comm_counter}
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"{w}ranks" for w in WORLDS])
+@slow_fixture(scope="module", params=WORLDS, ids=[f"{w}ranks" for w in WORLDS])
 def ranks(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"cser{world}")

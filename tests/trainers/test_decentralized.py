@@ -93,6 +93,7 @@ def test_sgp_gives_the_exact_average_after_log2_n_rounds(world, request):
         assert max(float((x - mean).abs().max()) for x in first) > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", ["two", "four", "eight"])
 def test_overlapping_sgp_conserves_mass_and_synchronizes_to_the_mean(world, request):
     """OSGP (messages 2 steps late): sum x and sum w = n include the messages in flight,
@@ -196,6 +197,7 @@ def test_async_adpsgd_fast_ranks_do_not_wait_for_a_slow_peer(four):
     """Rank 1 sleeps 0.25 s after each of 12 steps. Asynchronously the other ranks' 12 steps
     take a fraction of rank 1's time (its thread still answers exchanges); in synchronous
     rounds, the control, every rank is paced by the slow one."""
+
     def span(times):
         return times[-1] - times[0]
 

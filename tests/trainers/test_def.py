@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests._tiers import slow_fixture
 from tests.trainers._launch import run_ranks
 from tests.trainers._trainer_toys import ToyDataset, make_mlp, plain_loop
 from trainers import create_combiner
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.dist
 N, GLOBAL_BATCH, STEPS, SEED = 48, 8, 12, 5  # as in _comm_worker.py
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("def")
     run_ranks("tests.trainers._def_worker", [str(out)], timeout=300)
@@ -69,7 +70,7 @@ def test_per_tensor_blocks_send_ratio_of_each_tensor(ranks):
     assert per_tensor != 4 * round(0.1 * sum(sizes))  # the two layouts are told apart
     for r in ranks:
         sent = [rec["bytes"] for rec in r["randblock_tensor"]["records"]]
-        steps = [b - a for a, b in zip([0, *sent], sent)]
+        steps = [b - a for a, b in zip([0, *sent], sent, strict=False)]
         assert steps == [per_tensor] * STEPS
 
 

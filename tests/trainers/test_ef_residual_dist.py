@@ -18,7 +18,15 @@ import pytest
 import torch
 
 from tests.trainers._ef_residual_worker import (
-    LR, MOMENTUM_FIRST, MU, QSGD_BUCKET, RATIO, SEED, STEPS, WD, lr_at,
+    LR,
+    MOMENTUM_FIRST,
+    MU,
+    QSGD_BUCKET,
+    RATIO,
+    SEED,
+    STEPS,
+    WD,
+    lr_at,
 )
 from tests.trainers._launch import run_ranks
 from trainers.comm import COMPRESSORS
@@ -225,9 +233,9 @@ def test_momentum_before_compression_as_the_authors(ranks, name):
 
 
 def test_momentum_before_compression_needs_sgd_without_momentum():
+    from tests.trainers._trainer_toys import make_mlp
     from trainers import DistEnv
     from trainers.comm import create_combiner
-    from tests.trainers._trainer_toys import make_mlp
 
     model = make_mlp(seed=0)
     combiner = create_combiner("ef", compressor="randblock", momentum=0.9)

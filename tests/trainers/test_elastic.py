@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._tiers import slow_fixture
 from tests.trainers import _elastic_worker as worker
 from tests.trainers._trainer_toys import ToyDataset, eval_step, lr_fn, make_mlp, params, train_step
 from trainers import DistEnv, GradCombiner, RunLogger, Trainer, TrainerConfig
@@ -363,7 +364,7 @@ class _Job:
         del self.store
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def elastic_job(tmp_path_factory):
     """2 agents -> a third joins -> rank 0's node dies while writing state.pt -> 2 finish."""
     out = tmp_path_factory.mktemp("elastic")

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests._tiers import slow_fixture
 from tests.trainers._faithful_worker import WEIGHT_DECAY
 from tests.trainers._launch import free_port, run_ranks
 
@@ -40,7 +41,7 @@ ATOL = 1e-12  # float64 on both sides: rounding only (see the module docstring)
 FAR = 1e-6  # a variant that is not the reference differs by far more than rounding
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("faithful")
     run_ranks("tests.trainers._faithful_worker", [str(out), str(free_port())], world=4)

@@ -21,6 +21,7 @@ from modelzoo.linear import (
     build_linear_model,
     load_bundled,
 )
+from tests._tiers import slow_fixture
 from tests.trainers._launch import run_ranks
 from tests.trainers._linear_worker import (
     CASGD_L2,
@@ -337,7 +338,7 @@ def test_casgd_bad_options_raise_clearly():
 
 
 # -- several processes ----------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=[4])
+@slow_fixture(scope="module", params=[4])
 def ranks(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"linear{world}")

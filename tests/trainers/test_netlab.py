@@ -135,6 +135,7 @@ def test_a_partition_cuts_one_node_and_counters_count_what_crossed():
         assert "refused" in back.stderr, "with the link back, node 1 answers (nothing listens)"
 
 
+@pytest.mark.slow
 def test_a_gloo_allreduce_across_the_lab_equals_loopback(tmp_path):
     loop, lab_out = tmp_path / "loopback", tmp_path / "lab"
     loop.mkdir()
@@ -244,6 +245,7 @@ def test_refusals_are_one_line_with_exit_2(tmp_path):
     assert not any(name.startswith("tr") for name in list_labs())
 
 
+@pytest.mark.slow
 def test_an_existing_lab_is_refused_and_down_removes_it_by_its_prefix():
     name = _name("d")
     assert _netlab("up", "--nodes", "2", "--name", name).returncode == 0

@@ -198,6 +198,7 @@ def _wait_until(predicate, seconds: float) -> bool:
     return predicate()
 
 
+@pytest.mark.slow
 def test_watchdog_fires_on_a_silent_peer_and_stands_down_when_the_job_ends():
     server = _store()
     fired: list[str] = []

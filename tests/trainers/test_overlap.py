@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests._tiers import slow_fixture
 from tests.trainers._launch import run_ranks
 from trainers.comm.overlap import BackwardBuckets, backward_order_buckets
 
@@ -160,7 +161,7 @@ def test_cuda_buckets_wait_for_their_gradients_on_the_device():
     buckets.remove()
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def adasum2(tmp_path_factory):
     out = tmp_path_factory.mktemp("overlap")
     run_ranks("tests.trainers._overlap_worker", [str(out)], world=2, timeout=300)
@@ -187,7 +188,7 @@ def test_overlapped_adasum_equals_the_plain_path_bit_for_bit(adasum2):
     assert adasum2[0]["buckets"][-1][-2:] == ["side.weight", "unused"]
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def ef2(tmp_path_factory):
     out = tmp_path_factory.mktemp("overlap_ef")
     run_ranks("tests.trainers._overlap_worker", [str(out), "ef"], world=2, timeout=300)

@@ -13,12 +13,13 @@ import itertools
 import pytest
 import torch
 
+from tests._tiers import slow_fixture
 from tests.trainers._launch import run_ranks
 
 pytest.importorskip("torch.distributed.pipelining")
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2stages", "4stages"])
+@slow_fixture(scope="module", params=[2, 4], ids=["2stages", "4stages"])
 def measured(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"pp{world}")
@@ -26,7 +27,7 @@ def measured(request, tmp_path_factory):
     return world, torch.load(out / "result.pt", weights_only=False)
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def measured_tp(tmp_path_factory):
     """4 ranks as 2 stages x 2-way tensor parallelism (1 replica)."""
     out = tmp_path_factory.mktemp("pp2tp2")

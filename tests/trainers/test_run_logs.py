@@ -183,6 +183,7 @@ def _pinned_fingerprint(env_extra):
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 def test_fingerprint_records_the_pins_in_force_and_the_capability_they_give():
     from trainers.logs import PORTABLE_CPU_PINS
 

@@ -96,6 +96,7 @@ def paper_sgp(start: np.ndarray, n: int, overlap: int, steps: int = STEPS):
     return zs, ws, total_x / total_w
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", ["two", "three"])
 @pytest.mark.parametrize("overlap", OVERLAPS)
 def test_sgp_follows_the_papers_update_with_weight_decay_at_z(world, overlap, request):

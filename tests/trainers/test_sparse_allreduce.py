@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._tiers import slow_fixture
 from tests.trainers._launch import run_ranks
 from tests.trainers._sparse_worker import CASES
 from trainers.comm.sparse import (
@@ -25,7 +26,7 @@ from trainers.comm.sparse import (
 WORLDS = (2, 3, 4, 5)
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"{w}ranks" for w in WORLDS])
+@slow_fixture(scope="module", params=WORLDS, ids=[f"{w}ranks" for w in WORLDS])
 def ranks(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"sparse{world}")

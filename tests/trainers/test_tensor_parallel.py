@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._tiers import slow_fixture
 from tests.trainers._launch import run_ranks
 
 pytest.importorskip("torch.distributed.tensor")
@@ -19,7 +20,7 @@ LAYERS = 2  # _tp_worker.CONFIG.num_layers
 ALL_REDUCE = "c10d_functional.all_reduce"
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+@slow_fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
 def measured(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"tp{world}")

@@ -13,10 +13,11 @@ import pytest
 import torch
 from torch import nn
 
+from tests._tiers import slow_fixture
 from trainers.comm import DistributedOptimizer, create_combiner
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def ranks(tmp_path_factory):
     from tests.trainers._launch import run_ranks
 
