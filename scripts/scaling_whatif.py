@@ -71,6 +71,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from trainers.comm import GradCombiner, create_combiner  # noqa: E402
+from trainers.comm.cost import allgather_time, message_time, ring_allreduce_time  # noqa: E402, F401 (message_time: one model to one peer)
 from trainers.logs import RunLogError, read_run_log  # noqa: E402
 
 DEFAULT_WORKERS = (2, 4, 8, 16, 32, 64)
@@ -96,14 +98,12 @@ class Workload:
 
 
 def comm_time(w: Workload, workers: int, gbps: float, latency: float, ratio: float | None = None) -> float:  # fmt: skip
-    """Seconds one step's communication takes on a ring of ``workers`` at ``gbps``."""
-    if workers <= 1:
-        return 0.0
-    rate = gbps * 1e9 / 8  # bytes per second
+    """Seconds one step's communication takes on a ring of ``workers`` at ``gbps``
+    (the project's one latency-bandwidth model, :mod:`trainers.comm.cost`)."""
     sent = w.grad_bytes / (w.compression_ratio if ratio is None else ratio)
     if w.allgather:
-        return (workers - 1) * sent / rate + (workers - 1) * latency
-    return 2 * (workers - 1) / workers * sent / rate + 2 * (workers - 1) * latency
+        return allgather_time(sent, workers, gbps, latency)
+    return ring_allreduce_time(sent, workers, gbps, latency)
 
 
 def scaling_factor(w: Workload, workers: int, gbps: float, latency: float) -> float:
@@ -182,32 +182,43 @@ def needed_ratio(w: Workload, workers: int, gbps: float, latency: float, target:
 
 
 # ---- decentralized and pipelined methods ---------------------------------------------------------
-# ``T_m`` is the method's communication per step: a ring all-reduce (:func:`comm_time`) for
-# average and pipesgd, one model to one peer (:func:`message_time`) for sgp, one model each
-# way (two messages, in the communication thread) for asynchronous adpsgd. A straggler's
-# compute takes ``s T_c``. Step times (seconds) of the fast ranks and of the straggler:
+# Each method is a registered combining mode, and its formulas live on its class
+# (``comm_time``: ``T_m``, the communication of a step; ``step_time``: the step times of the fast
+# ranks and of a straggler whose compute takes ``s T_c``):
 #
-#   average (all-reduce after the backward, o = 0)   s T_c + max(0, T_m - o T_c)   every rank
-#   pipesgd (width 2: the all-reduce of step t-1      max(s T_c, T_m)               every rank
+#   average (all-reduce after the backward, o = 0)   T_m ring all-reduce   s T_c + max(0, T_m - o T_c)
+#   pipesgd (width 2: the all-reduce of step t-1      T_m ring all-reduce   max(s T_c, T_m)
 #     runs during step t's compute)
-#   sgp, overlap 0 / adpsgd synchronous rounds      s T_c + T_m                   every rank
-#   sgp, overlap tau >= 1 (tau messages in flight)  max(s T_c, T_m / tau)         every rank
-#   adpsgd asynchronous (its own thread)            T_c (fast), s T_c (straggler)
-#   coded (CodedReduce, s <= its tolerance: the     T_c + T_m (fast), s T_c + T_m (straggler)
-#     straggler's message is not waited for)
+#   sgp, overlap 0 / adpsgd synchronous rounds      T_m one message       s T_c + T_m
+#   sgp, overlap tau >= 1 (tau messages in flight)  T_m one message       max(s T_c, T_m / tau)
+#   adpsgd asynchronous (its own thread)            T_m two messages      T_c (fast), s T_c (straggler)
+#   coded (CodedReduce, s <= its tolerance: the     T_m 2 (n-1) messages  T_c + T_m (fast),
+#     straggler's message is not waited for; its                          s T_c + T_m (straggler)
+#     default one-level tree: the root's link)
 #
-# For coded on its default one-level tree, ``T_m`` is the root's link: the children's
-# messages up and its ``n - 1`` messages of the update down, about ``2 (n - 1) S / B``.
-#
-# A blocking all-reduce or a lockstep gossip round makes every rank wait for the slowest,
-# after at most log2(n) rounds for gossip; only the asynchronous method lets the fast ranks
-# run at their own speed (its exchanges happen less often than steps when 2 T_m > T_c).
+# (a message: one model, ``S / B + a``). A blocking all-reduce or a lockstep gossip round makes
+# every rank wait for the slowest, after at most log2(n) rounds for gossip; only the
+# asynchronous method lets the fast ranks run at their own speed (its exchanges happen less
+# often than steps when 2 T_m > T_c).
 METHODS = ("average", "pipesgd", "sgp", "sgp-overlap", "adpsgd", "adpsgd-async", "coded")
 
 
-def message_time(grad_bytes: float, gbps: float, latency: float) -> float:
-    """One model (``grad_bytes``) sent to one peer: ``S / B + a``."""
-    return grad_bytes / (gbps * 1e9 / 8) + latency
+def method_combiner(method: str, *, tau: int = 1) -> GradCombiner:
+    """The combining mode (with its options) that ``method`` names; ``tau``: the messages in
+    flight of ``sgp-overlap``."""
+    modes: dict[str, tuple[str, dict[str, Any]]] = {
+        "average": ("average", {}),
+        "pipesgd": ("pipesgd", {}),
+        "sgp": ("sgp", {"overlap": 0}),
+        "sgp-overlap": ("sgp", {"overlap": max(1, tau)}),
+        "adpsgd": ("adpsgd", {"asynchronous": False}),
+        "adpsgd-async": ("adpsgd", {"asynchronous": True}),
+        "coded": ("coded", {}),
+    }
+    if method not in modes:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    mode, options = modes[method]
+    return create_combiner(mode, **options)
 
 
 def method_step_time(
@@ -219,48 +230,32 @@ def method_step_time(
     overlap: float = 0.0,
     tau: int = 1,
 ) -> tuple[float, float]:
-    """``(fast ranks, straggler)`` seconds per step of ``method`` (see the table above).
+    """``(fast ranks, straggler)`` seconds per step of ``method`` (its class's ``step_time``,
+    see the table above).
 
     Args:
         compute: ``T_c`` of a normal rank.
-        comm: ``T_m`` of the method (see above).
+        comm: ``T_m`` of the method (its class's ``comm_time``).
         straggler: ``s``, the slowest rank's compute factor (1: none).
         overlap: ``o`` of ``average`` (DDP hides up to ``o T_c``).
         tau: messages in flight of ``sgp-overlap``.
     """
-    slow = straggler * compute
-    if method == "average":
-        t = slow + max(0.0, comm - overlap * compute)
-        return t, t
-    if method == "pipesgd":
-        t = max(slow, comm)
-        return t, t
-    if method in ("sgp", "adpsgd"):
-        return slow + comm, slow + comm
-    if method == "sgp-overlap":
-        t = max(slow, comm / max(1, tau))
-        return t, t
-    if method in ("adpsgd-async", "coded"):
-        return compute + (comm if method == "coded" else 0.0), slow + (
-            comm if method == "coded" else 0.0
-        )
-    raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    combiner = method_combiner(method, tau=tau)
+    return combiner.step_time(compute, comm, straggler=straggler, overlap=overlap)
 
 
 def method_table(w: Workload, workers: Sequence[int], gbps: float, latency: float) -> str:
     """Predicted step times (ms) of each method at ``gbps``, no straggler and one 2x slower."""
     lines = [f"step time per method at {gbps:g} Gbps, ms (fast ranks; / with one rank 2x slower)"]
     lines.append("workers " + "".join(f"{m:>20s}" for m in METHODS))
-    one = message_time(w.grad_bytes, gbps, latency)
     for n in workers:
-        ring = comm_time(w, n, gbps, latency, ratio=1.0)
         cells = []
         for m in METHODS:
-            coded = 2 * (n - 1) * one  # the default one-level tree: the root's link
-            comm = {"average": ring, "pipesgd": ring, "adpsgd-async": 2 * one, "coded": coded}.get(m, one)  # fmt: skip
+            combiner = method_combiner(m)
+            comm = combiner.comm_time(w.grad_bytes, n, gbps, latency)
             o = w.overlap if m == "average" else 0.0
-            base = method_step_time(m, w.compute_time, comm, overlap=o)[0]
-            slow = method_step_time(m, w.compute_time, comm, straggler=2.0, overlap=o)[0]
+            base = combiner.step_time(w.compute_time, comm, overlap=o)[0]
+            slow = combiner.step_time(w.compute_time, comm, straggler=2.0, overlap=o)[0]
             cells.append(f"{base * 1e3:>10.1f} / {slow * 1e3:>7.1f}")
         lines.append(f"{n:>7d} " + "".join(cells))
     return "\n".join(lines)
@@ -432,7 +427,7 @@ def data_parts(header: dict[str, Any], world: int) -> int:
     combiner = (header.get("configs") or {}).get("combiner")
     if not combiner:
         return world
-    from trainers.comm import combiner_class  # noqa: PLC0415 (only for logs that name one)
+    from trainers.comm import combiner_class  # noqa: PLC0415
 
     try:
         cls = combiner_class(str(combiner["mode"]))

@@ -59,6 +59,7 @@ from .base import (
     refuse_loss_scaling,
     register_combiner,
 )
+from .cost import message_time
 from .flat import (
     allreduce_mean_,
     exchange,
@@ -133,6 +134,29 @@ class ADPSGDCombiner(CountingCombiner):
     @classmethod
     def is_deterministic(cls, options: ADPSGDOptions) -> bool:
         return not options.asynchronous
+
+    def comm_time(self, grad_bytes: float, workers: int, gbps: float, latency_s: float) -> float:
+        """AD-PSGD (flat; H-ADPSGD's intra-node all-reduce is not modelled): the model to
+        one partner, and back from it when asynchronous (its thread swaps both ways), one
+        message ``S / B + a`` each."""
+        if self.options.hierarchical or self.options.node_size:
+            raise ValueError(
+                "adpsgd's cost formula is for flat AD-PSGD; H-ADPSGD (--adpsgd-hierarchical) "
+                "has none"
+            )
+        one = message_time(grad_bytes, gbps, latency_s)
+        return 2 * one if self.options.asynchronous else one
+
+    def step_time(
+        self, compute: float, comm: float, *, straggler: float = 1.0, overlap: float = 0.0
+    ) -> tuple[float, float]:
+        """Synchronous rounds: every rank waits for its partner, ``s T_c + T_m``.
+        Asynchronous: the exchange runs in its own thread, so the fast ranks step at ``T_c``
+        and the straggler at ``s T_c``."""
+        slow = straggler * compute
+        if self.options.asynchronous:
+            return compute, slow
+        return slow + comm, slow + comm
 
     def __init__(self, options: ADPSGDOptions | None = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)

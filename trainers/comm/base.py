@@ -64,6 +64,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..dist import DistEnv
+from .cost import ring_allreduce_time
 from .flat import broadcast_, model_tensors
 
 __all__ = [
@@ -217,6 +218,27 @@ class GradCombiner:
         ``batch x accumulation x data_parts``). The world size, fewer where ranks share data
         (CodedReduce)."""
         return world_size
+
+    # ---- the mode's cost (scripts/scaling_whatif.py, on trainers.comm.cost's model) ------------
+    def comm_time(self, grad_bytes: float, workers: int, gbps: float, latency_s: float) -> float:
+        """``T_m``: seconds of one step's communication of a ``grad_bytes`` gradient (or
+        model) among ``workers`` ranks joined at ``gbps`` with ``latency_s`` per message
+        (:mod:`trainers.comm.cost`). Here a ring all-reduce of the whole gradient every step;
+        modes that communicate otherwise (Pipe-SGD's timing, gossip, CodedReduce's tree)
+        answer their own."""
+        return ring_allreduce_time(grad_bytes, workers, gbps, latency_s)
+
+    def step_time(
+        self, compute: float, comm: float, *, straggler: float = 1.0, overlap: float = 0.0
+    ) -> tuple[float, float]:
+        """``(fast ranks, straggler)`` seconds per step, with ``compute`` (``T_c``) a normal
+        rank's computation, ``comm`` the mode's :meth:`comm_time` (``T_m``), the slowest
+        rank's computation ``straggler`` (``s``) times longer and ``overlap`` (``o``) the
+        share of the computation that hides communication (DDP's bucketed backward). Here:
+        the all-reduce after the backward makes every rank wait for the slowest,
+        ``s T_c + max(0, T_m - o T_c)``."""
+        t = straggler * compute + max(0.0, comm - overlap * compute)
+        return t, t
 
     def skips_step(self) -> bool:
         """Before an optimizer step's first forward: ``True`` when this rank's gradient cannot

@@ -56,6 +56,7 @@ from torch import Tensor, nn
 
 from ..dist import DistEnv
 from .base import CountingCombiner, option, refuse_loss_scaling, register_combiner
+from .cost import message_time
 from .flat import flat_grads, flatten, unflatten_
 
 __all__ = ["CodedOptions", "CodedReduceCombiner", "CodedTree"]
@@ -179,6 +180,23 @@ class CodedReduceCombiner(CountingCombiner):
         it), so the logged training loss and metrics, means over the computed micro-batches,
         vary between runs; the applied model does not (tests/trainers/test_coded.py)."""
         return options.stragglers == 0
+
+    def comm_time(self, grad_bytes: float, workers: int, gbps: float, latency_s: float) -> float:
+        """The default one-level tree: the root's link carries the ``n - 1`` children's
+        gradients up and ``n - 1`` copies of the update down, ``2 (n - 1) (S / B + a)``."""
+        if self.options.branching is not None and self.options.branching < workers - 1:
+            raise ValueError(
+                "coded's cost formula is for its default one-level tree; a deeper tree "
+                f"(--coded-branching {self.options.branching} < {workers - 1}) has none"
+            )
+        return 2 * (workers - 1) * message_time(grad_bytes, gbps, latency_s)
+
+    def step_time(
+        self, compute: float, comm: float, *, straggler: float = 1.0, overlap: float = 0.0
+    ) -> tuple[float, float]:
+        """A straggler within the tolerance is not waited for: ``T_c + T_m`` for the fast
+        ranks, ``s T_c + T_m`` for the straggler."""
+        return compute + comm, straggler * compute + comm
 
     def __init__(self, options: CodedOptions | None = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)

@@ -61,6 +61,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 
 from ..dist import DistEnv
 from .base import CountingCombiner, option, register_combiner
+from .cost import ring_allreduce_time
 from .flat import (
     allreduce_mean_,
     average_buffers_,
@@ -97,6 +98,24 @@ class _LocalCombiner(CountingCombiner, abc.ABC):
     def __init__(self, options: Any = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)
         self.steps = 0
+
+    #: How many model-sized tensors a synchronisation all-reduces (local AdaAlter: the
+    #: models and the accumulators).
+    synced_copies = 1
+
+    def comm_time(self, grad_bytes: float, workers: int, gbps: float, latency_s: float) -> float:
+        """One ring all-reduce of the model (:attr:`synced_copies` of it) every ``period``
+        steps, per step: ``ring(S) / H`` (the steady state after any synchronous warm-up)."""
+        ring = ring_allreduce_time(self.synced_copies * grad_bytes, workers, gbps, latency_s)
+        return ring / self.options.period
+
+    def step_time(
+        self, compute: float, comm: float, *, straggler: float = 1.0, overlap: float = 0.0
+    ) -> tuple[float, float]:
+        """The averaging blocks every rank (nothing hides it): ``s T_c + T_m`` a step on
+        average, with ``T_m`` the amortized :meth:`comm_time`."""
+        t = straggler * compute + comm
+        return t, t
 
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
@@ -410,6 +429,7 @@ class LocalAdaAlterCombiner(_LocalCombiner):
     whose groups' ``lr`` and ``weight_decay`` it uses."""
 
     summary = "local AdaGrad with a lagging denominator"
+    synced_copies = 2  # the models and the accumulators
 
     def __init__(self, options: LocalAdaAlterOptions | None = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)

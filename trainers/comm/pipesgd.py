@@ -86,6 +86,14 @@ class PipeSGDCombiner(CountingCombiner):
 
     summary = "pipelined all-reduce: apply last step's averaged gradient (delay 1)"
 
+    def step_time(
+        self, compute: float, comm: float, *, straggler: float = 1.0, overlap: float = 0.0
+    ) -> tuple[float, float]:
+        """Width 2: step ``t - 1``'s all-reduce runs during step ``t``'s computation, so a
+        step takes ``max(s T_c, T_m)`` on every rank (the ring all-reduce, :meth:`comm_time`)."""
+        t = max(straggler * compute, comm)
+        return t, t
+
     def __init__(self, options: PipeSGDOptions | None = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)
         self.compressor = create_compressor(self.options.compressor)

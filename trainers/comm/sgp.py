@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from ..dist import DistEnv
 from .base import CountingCombiner, option, refuse_loss_scaling, register_combiner
+from .cost import message_time
 from .flat import (
     exchange,
     flatten,
@@ -108,6 +109,20 @@ class SGPCombiner(CountingCombiner):
     """Stochastic Gradient Push on the one-peer exponential graph (see the module docstring)."""
 
     summary = "gossip: push-sum to one peer per step (exponential graph)"
+
+    def comm_time(self, grad_bytes: float, workers: int, gbps: float, latency_s: float) -> float:
+        """One model to one peer a step: ``S / B + a``."""
+        return message_time(grad_bytes, gbps, latency_s)
+
+    def step_time(
+        self, compute: float, comm: float, *, straggler: float = 1.0, overlap: float = 0.0
+    ) -> tuple[float, float]:
+        """Lockstep gossip: ``s T_c + T_m``; with ``overlap`` ``tau >= 1`` messages in flight
+        the sends hide behind the computation, ``max(s T_c, T_m / tau)``."""
+        slow = straggler * compute
+        tau = self.options.overlap
+        t = max(slow, comm / tau) if tau >= 1 else slow + comm
+        return t, t
 
     def __init__(self, options: SGPOptions | None = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)

@@ -75,6 +75,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .cost import alpha_beta
+
 __all__ = [
     "ALGORITHMS",
     "CostModel",
@@ -120,10 +122,10 @@ class CostModel:
             )
 
     def time(self, messages: float, nbytes: float, merged: float = 0, scanned: float = 0) -> float:
-        return (
-            messages * self.latency + nbytes / self.bandwidth + merged * self.merge
-            + scanned * self.scan
-        )  # fmt: skip
+        """The network's share by the project's one latency-bandwidth model
+        (:func:`trainers.comm.cost.alpha_beta`), plus the merging and scanning."""
+        wire = alpha_beta(messages, nbytes, latency_s=self.latency, rate=self.bandwidth)
+        return wire + merged * self.merge + scanned * self.scan
 
 
 @dataclass

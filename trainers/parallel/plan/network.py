@@ -8,6 +8,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from trainers.comm.cost import message_time, ring_allreduce_time
+
 
 @dataclass(frozen=True)
 class Level:
@@ -23,17 +25,9 @@ class Level:
         return self.gbps * 1e9 / 8
 
 
-def allreduce_time(nbytes: float, members: int, gbps: float, latency_s: float) -> float:
-    """Ring all-reduce of ``nbytes`` over ``members`` ranks: ``2 (N-1)/N S/B + 2 (N-1) a``."""
-    if members <= 1:
-        return 0.0
-    rate = gbps * 1e9 / 8
-    return 2 * (members - 1) / members * nbytes / rate + 2 * (members - 1) * latency_s
-
-
-def p2p_time(nbytes: float, gbps: float, latency_s: float) -> float:
-    """One message of ``nbytes``: ``S / B + a``."""
-    return nbytes / (gbps * 1e9 / 8) + latency_s
+# The project's one latency-bandwidth model (trainers.comm.cost), under the planner's names.
+allreduce_time = ring_allreduce_time
+p2p_time = message_time
 
 
 @dataclass(frozen=True)
