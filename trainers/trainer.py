@@ -7,10 +7,12 @@ gradient clipping, data-parallel averaging through a pluggable :class:`GradCombi
 evaluation, throughput measurement, run logs, and checkpoints from which a run continues
 bit-for-bit on CPU.
 
-(Why one module of about 680 lines: the loop, its checkpoint state and its evaluation share
-one set of invariants (step and sample counters, the samplers, the meters, the RNG states)
-that a resume must restore together; the configs, the bookkeeping (:mod:`.loop_state`) and
-the combiners (:mod:`.comm`) live elsewhere.)
+(Why one module of about 940 lines, over the project's 800: the loop, its step count and
+schedule, its checkpoint state and its evaluation share one set of invariants (step and
+sample counters, the samplers, the meters, the RNG states, the schedule built from the data's
+size) that a resume must restore together; what does not share them lives elsewhere: the
+configs (:mod:`.config`), the bookkeeping (:mod:`.loop_state`), the non-finite watch
+(:mod:`.nonfinite`) and the combiners (:mod:`.comm`).)
 
 Contracts with the script:
 
@@ -77,7 +79,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -88,18 +89,19 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ._dtensor import is_pipeline_parallel, is_tensor_parallel, local_tensor
+from ._dtensor import is_pipeline_parallel, is_tensor_parallel
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import AverageCombiner, GradCombiner
 from .config import _PRECISIONS, ScheduleConfig, TrainerConfig
 from .data import SeededDataset, ShardedSampler, derive_seed
 from .dist import DistEnv
-from .errors import NonFiniteError, UsageError
+from .errors import UsageError
 from .logs import RunLogger, progress_bar
 from .loop_state import Meter as _Meter
 from .loop_state import elapsed as _elapsed
 from .loop_state import rng_state as _rng_state
 from .loop_state import set_rng_state as _set_rng_state
+from .nonfinite import NonFiniteWatch
 
 __all__ = ["CHECKPOINT_FORMAT", "Trainer", "TrainerConfig"]
 
@@ -216,11 +218,9 @@ class Trainer:
         self._paused = 0.0  # seconds spent evaluating and saving (excluded from speed)
         self._last_saved_step: int | None = None
         self._last_eval_step: int | None = None  # global step of the latest evaluation
-        # This rank's first non-finite loss since the last check: its (1-based) step and
-        # value, 0-d tensors on the loss's device (no host sync); see _watch_loss.
-        self._bad_step: torch.Tensor | None = None
-        self._bad_loss: torch.Tensor | None = None
-        self.nonfinite_skipped: list[int] = []  # steps whose update skip_nonfinite skipped
+        # Non-finite losses and weights (trainers.nonfinite): found without a host sync,
+        # agreed by the ranks where the loop waits anyway.
+        self.nonfinite = NonFiniteWatch(self.env, self.logger, config, self.lr_at)
         self.train_sampler: ShardedSampler | None = None  # fit's sampler (read by hooks)
         self.env.seed_everything(config.seed)
 
@@ -424,6 +424,15 @@ class Trainer:
                 f"{self.config.epochs} epochs: {err}"
             ) from None
 
+    @property
+    def nonfinite_skipped(self) -> list[int]:
+        """The steps whose update ``skip_nonfinite`` skipped."""
+        return self.nonfinite.skipped
+
+    @nonfinite_skipped.setter
+    def nonfinite_skipped(self, steps: list[int]) -> None:
+        self.nonfinite.skipped = list(steps)
+
     def request_stop(self) -> None:
         """End :meth:`fit` before the next optimizer step (e.g. early stopping)."""
         self._stop_requested = True
@@ -586,72 +595,15 @@ class Trainer:
     # non-finite losses
     # ======================================================================================
     def _watch_loss(self, loss: torch.Tensor) -> None:
-        """Remember this rank's first non-finite loss and its step, on the device (no sync)."""
-        value = loss.detach()
-        if self._bad_step is None or self._bad_loss is None:
-            self._bad_step = torch.zeros((), dtype=torch.float64, device=value.device)
-            self._bad_loss = torch.zeros((), dtype=torch.float64, device=value.device)
-        keep = torch.isfinite(value) | (self._bad_step > 0)  # a few tiny kernels, no sync
-        self._bad_step = torch.where(keep, self._bad_step, float(self.global_step + 1))
-        self._bad_loss = torch.where(keep, self._bad_loss, value)
-
-    def _agree_nonfinite(self, *, weights: bool = False) -> tuple[int, float, int, str] | None:
-        """A collective: the earliest non-finite loss of any rank since the last check, as
-        ``(step, loss, rank, "")``; with ``weights``, else the first non-finite parameter as
-        ``(step, nan, rank, name)``; ``None`` when all is finite. One all-reduce of 3 numbers
-        per rank: every rank gets the same answer, so all of them raise (or go on) together."""
-        env = self.env
-        row = torch.zeros(3, dtype=torch.float64, device=env.device)
-        if self._bad_step is not None and self._bad_loss is not None:
-            row[0] = self._bad_step.to(env.device)
-            row[1] = self._bad_loss.to(env.device)
-        names: list[str] = []
-        if weights:
-            named = [(n, local_tensor(p.detach())) for n, p in self.model.named_parameters()]
-            if named:
-                names = [n for n, _ in named]
-                with torch.no_grad():
-                    bad = ~torch.stack([torch.isfinite(p).all().to(env.device) for _, p in named])
-                    first = bad.to(torch.float64).argmax() + 1
-                    row[2] = torch.where(bad.any(), first, 0.0)
-        vector = torch.zeros(3 * env.world_size, dtype=torch.float64, device=env.device)
-        vector[3 * env.rank : 3 * env.rank + 3] = row
-        rows = env.all_reduce_sum(vector).view(-1, 3).tolist()  # the one host sync
-        losses = [(int(step), loss, rank) for rank, (step, loss, _) in enumerate(rows) if step]
-        if losses:
-            step, loss, rank = min(losses)
-            return step, loss, rank, ""
-        params = [(rank, int(index)) for rank, (_, _, index) in enumerate(rows) if index]
-        if params:
-            rank, index = params[0]
-            name = names[index - 1] if index <= len(names) else f"#{index - 1}"
-            return self.global_step, math.nan, rank, name
-        return None
+        self.nonfinite.watch(loss, self.global_step)
 
     def _check_nonfinite(self, *, weights: bool = False) -> None:
         """A collective: raise :class:`NonFiniteError` if some rank saw a non-finite loss
         (or, with ``weights``, holds a non-finite parameter)."""
-        found = self._agree_nonfinite(weights=weights)
-        if found is not None:
-            raise NonFiniteError(self._nonfinite_message(*found))
+        self.nonfinite.check(self.model, self.global_step, weights=weights)
 
     def _skip_nonfinite_step(self) -> bool:
-        """``skip_nonfinite``: whether this step's loss was non-finite on some rank (a
-        collective, every step); such a step is skipped, the (N+1)-th one raises."""
-        found = self._agree_nonfinite()
-        if found is None:
-            return False
-        self._bad_step = self._bad_loss = None  # handled: the next bad step is a new one
-        step, loss, rank, _ = found
-        if len(self.nonfinite_skipped) >= self.config.skip_nonfinite:
-            raise NonFiniteError(self._nonfinite_message(*found))
-        self.nonfinite_skipped.append(step)
-        where = f" on rank {rank}" if self.env.world_size > 1 else ""
-        self.logger.info(
-            f"step {step}: non-finite loss ({loss}){where}, its update skipped "
-            f"({len(self.nonfinite_skipped)} of --skip-nonfinite {self.config.skip_nonfinite})"
-        )
-        return True
+        return self.nonfinite.skip_step(self.model, self.global_step)
 
     def _skipped_update(self) -> float:
         """No update for this step: its gradients are dropped; the optimizer, loss scaler and
@@ -667,33 +619,6 @@ class Trainer:
                 warnings.simplefilter("ignore", UserWarning)
                 self.lr_schedule.step()
         return lr
-
-    def _nonfinite_message(self, step: int, loss: float, rank: int, parameter: str) -> str:
-        """What went wrong where, and the flags most likely at fault."""
-        where = f" on rank {rank}" if self.env.world_size > 1 else ""
-        if parameter:
-            what = f"non-finite weights after step {step}{where} (parameter {parameter!r})"
-        else:
-            what = f"non-finite loss ({loss}) at step {step}{where}"
-        skipped = self.config.skip_nonfinite
-        if skipped and len(self.nonfinite_skipped) >= skipped:
-            steps = ", ".join(str(s) for s in self.nonfinite_skipped)
-            what += f", one more than --skip-nonfinite {skipped} tolerates (skipped: {steps})"
-        if step <= 1 and not parameter:
-            return (
-                f"{what}, before any update: check the data (a NaN or inf input) and the loss "
-                "function; --skip-nonfinite N skips up to N such steps"
-            )
-        fixes = [f"lower --lr (now {self.lr_at(max(step - 2, 0)):g})"]
-        if self.config.clip_grad_norm is None:
-            fixes.append("clip the gradients (--clip-grad-norm, where the script has it)")
-        if self.config.precision == "fp16":
-            fixes.append("train in --dtype bfloat16 or float32")
-        advice = fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + " or " + fixes[-1]
-        return (
-            f"{what}: the training diverged; {advice}; --skip-nonfinite N skips up to N steps "
-            "with a non-finite loss"
-        )
 
     # ======================================================================================
     # data
