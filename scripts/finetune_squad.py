@@ -64,10 +64,9 @@ from modelzoo.nlp.squad import (
 from modelzoo.nlp.stdlib_squad import stdlib_squad
 from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
 from modelzoo.store import ChecksumError, DownloadError
-from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
+from trainers import DistEnv, RunLogger, Trainer, make_header
 from trainers.checkpoint import load_checkpoint
 from trainers.cli import (
-    DTYPES,
     ArgumentParser,
     Bound,
     add_distributed_args,
@@ -75,6 +74,7 @@ from trainers.cli import (
     add_export_args,
     add_gradient_checkpointing_args,
     add_optimizer_args,
+    add_run_args,
     add_tensor_parallel_args,
     add_tensorboard_args,
     apply_model_parallel,
@@ -88,6 +88,7 @@ from trainers.cli import (
     print_config,
     run_configs,
     run_main,
+    trainer_config,
     unsplit_for_saving,
 )
 from trainers.errors import UsageError
@@ -238,19 +239,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--epochs", "--num-epochs", dest="epochs", type=int, default=None)
     o.add_argument("--batch-size", type=int, default=None, help="per worker and micro-step")
     o.add_argument("--test-batch-size", type=int, default=None, help="questions per eval batch")
-    o.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     o.add_argument("--warmup-ratio", type=float, default=0.1, help="linear warmup fraction")
-    o.add_argument(
-        "--clip-grad-norm", type=float, default=1.0, help="global gradient clipping (<= 0: none)"
-    )
-    o.add_argument(
-        "--skip-nonfinite", type=int, default=0, metavar="N",
-        help="tolerate N optimizer steps with a non-finite loss: skip their updates (0: the "
-        "first one stops the run, naming the step)",
-    )  # fmt: skip
-    o.add_argument("--dtype", type=str, default="float32", choices=sorted(DTYPES))
-    o.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
-    o.add_argument("--seed", type=int, default=6)
     o.add_argument("--only-predict", action="store_true", help="evaluate only, no training")
     o.add_argument(
         "--eval-at-start", action="store_true", help="also evaluate before fine-tuning (step 0)"
@@ -280,10 +269,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--output-dir", type=str, default="./output_dir",
         help="the predictions and the fine-tuned model (a Hugging Face directory)",
     )  # fmt: skip
-    g.add_argument("--log-interval", type=int, default=None, help="optimizer steps per log line")
-    g.add_argument("--run-log", type=str, default=None, help="JSON Lines run log")
-    g.add_argument("--logging-file", type=str, default=None, help="also write console lines here")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_args(o, g, seed=6, seed_help="run seed (GluonNLP's default 6)", clip_grad_norm=1.0)
     p.add_mxnet_options("--gpu", "--gpus", "--num-gpus", "--kvstore", "--bert-dataset")
     brief(p, "--dataset", "--train-file", "--predict-file", "--version-2", "--bert-model",
           "--model-parameters", "--epochs", "--batch-size", "--dtype", "--only-predict",
@@ -707,20 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     model, env = apply_model_parallel(args, world, model, inputs_of=pipeline_inputs)
     optimizer = build_optimizer(args, model)
     combiner = build_combiner(args, env)
-    config = TrainerConfig(
-        epochs=args.epochs,
-        max_steps=args.max_steps,
-        batch_size=args.batch_size,
-        eval_batch_size=args.test_batch_size,
-        grad_accum_steps=args.accumulate,
-        precision=DTYPES[args.dtype],
-        clip_grad_norm=args.clip_grad_norm if args.clip_grad_norm > 0 else None,
-        log_interval=args.log_interval,
-        num_workers=args.num_workers,
-        seed=args.seed,
-        progress=not args.no_progress,
-        inject_straggler=args.inject_straggler,
-        skip_nonfinite=args.skip_nonfinite,
+    config = trainer_config(
+        args, epochs=args.epochs, batch_size=args.batch_size, eval_batch_size=args.test_batch_size
     )
     trainer = Trainer(
         model, optimizer, config, env=env, logger=logger,

@@ -60,10 +60,9 @@ from modelzoo.nlp.pretraining import (
 )
 from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
 from modelzoo.store import ChecksumError, DownloadError, cache_root
-from trainers import DistEnv, Trainer, TrainerConfig, make_header
+from trainers import DistEnv, Trainer, make_header
 from trainers.claims import majority_level
 from trainers.cli import (
-    DTYPES,
     ArgumentParser,
     Bound,
     add_distributed_args,
@@ -72,6 +71,7 @@ from trainers.cli import (
     add_export_args,
     add_gradient_checkpointing_args,
     add_optimizer_args,
+    add_run_args,
     add_tensor_parallel_args,
     add_tensorboard_args,
     apply_model_parallel,
@@ -88,6 +88,7 @@ from trainers.cli import (
     print_config,
     run_configs,
     run_main,
+    trainer_config,
     unsplit_for_saving,
 )
 from trainers.config import ElasticConfig
@@ -201,17 +202,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="polynomial decay degree (default 1; 0.5, NVIDIA's, with nvidia_poly_warmup)",
     )
     t.add_argument(
-        "--clip-grad-norm", type=float, default=0.0, help="global gradient clipping (<= 0: none)"
-    )
-    t.add_argument(
-        "--skip-nonfinite", type=int, default=0, metavar="N",
-        help="tolerate N optimizer steps with a non-finite loss: skip their updates (0: the "
-        "first one stops the run, naming the step)",
-    )  # fmt: skip
-    t.add_argument("--dtype", type=str, default="float32", choices=sorted(DTYPES))
-    t.add_argument("--max-steps", type=int, default=None, help="stop after N steps (all phases)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument(
         "-j",
         "--num-workers",
         "--num-data-workers",
@@ -237,10 +227,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     g = p.add_argument_group("logging and output")
     g.add_argument("--output-dir", type=str, default="./runs/pretrain")
-    g.add_argument("--log-interval", type=int, default=10, help="optimizer steps per log line")
-    g.add_argument("--run-log", type=str, default=None, help="JSON Lines run log")
-    g.add_argument("--logging-file", type=str, default=None, help="also write console lines here")
-    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_run_args(t, g, clip_grad_norm=0.0, accumulate=False, log_interval=10,
+                 max_steps_help="stop after N steps (all phases)")  # fmt: skip
     p.add_renamed(
         "--eval-interval", "--eval-interval-steps", "pretraining counts steps; it has no epochs"
     )
@@ -668,25 +656,18 @@ def run_phase(
     opt = dataclasses.replace(optimizer_config(args), lr=getattr(args, f"phase{phase}_lr"))
     optimizer = create_optimizer(opt.name, model, **opt.kwargs())
     save_dir = Path(args.output_dir) / f"phase{phase}"
-    config = TrainerConfig(
+    config = trainer_config(
+        args,
         epochs=math.ceil(steps / (len(train) // global_batch)),
         max_steps=limit,
         batch_size=batch,
         eval_batch_size=args.eval_batch_size,
         grad_accum_steps=accumulate,
-        precision=DTYPES[args.dtype],
-        clip_grad_norm=args.clip_grad_norm if args.clip_grad_norm > 0 else None,
-        log_interval=args.log_interval,
         eval_interval=0,
         eval_interval_steps=args.eval_interval_steps,
         save_dir=str(save_dir),
         save_frequency=0,
         save_interval_steps=args.checkpoint_steps,
-        num_workers=args.num_workers,
-        seed=args.seed,
-        progress=not args.no_progress,
-        inject_straggler=args.inject_straggler,
-        skip_nonfinite=args.skip_nonfinite,
     )
     tracker = EvalTracker()
     ema = build_ema(args, model, eval_dataset=dev, collate_fn=PretrainingCollate(train.pad_id))

@@ -43,7 +43,7 @@ from modelzoo.graph.sampler import NeighborSampler
 from modelzoo.graph.transforms import NodeFeatures
 from modelzoo.registry import get_model_entry
 from modelzoo.store import ChecksumError, DownloadError, cache_root
-from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
+from trainers import DistEnv, RunLogger, Trainer, make_header
 from trainers.claims import majority_level
 from trainers.cli import (
     ArgumentParser,
@@ -52,6 +52,7 @@ from trainers.cli import (
     add_ema_args,
     add_export_args,
     add_optimizer_args,
+    add_run_args,
     add_schedule_args,
     add_tensorboard_args,
     brief,
@@ -63,6 +64,7 @@ from trainers.cli import (
     print_config,
     run_configs,
     run_main,
+    trainer_config,
 )
 from trainers.errors import UsageError
 from trainers.hooks import EarlyStopping
@@ -119,25 +121,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     o.add_argument("--batch-size", type=int, default=1024, help="mini-batch: seeds (graphs)/worker")
     o.add_argument("--num-epochs", "--epochs", dest="num_epochs", type=int, default=200)
-    o.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
-    o.add_argument(
-        "--skip-nonfinite", type=int, default=0, metavar="N",
-        help="tolerate N optimizer steps with a non-finite loss: skip their updates (0: the "
-        "first one stops the run, naming the step)",
-    )  # fmt: skip
     o.add_argument("--early-stop", type=int, default=0, help="patience in evaluations (0: off)")
     o.add_argument("--eval-interval", type=int, default=1, help="epochs between evaluations")
-    o.add_argument("--seed", type=int, default=0)
 
     g = p.add_argument_group("logging and weights")
-    g.add_argument("--log-interval", type=int, default=None, help="steps between step records")
-    g.add_argument("--run-log", type=str, default=None, help="JSON Lines run log")
     g.add_argument("--save-dir", type=str, default=None, help="trainer checkpoints")
     g.add_argument(
         "--export-weights", action="store_true",
         help="write the kept weights as <model>-<sha256[:8]>.pth to $MODELZOO_HOME/trained",
     )  # fmt: skip
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_args(o, g, seed_help="run seed: initial weights, data order, neighbour sampling",
+                 clip_grad_norm=False, accumulate=False, precision=False, logging_file=False,
+                 log_interval_help="steps between step records")  # fmt: skip
     p.add_mxnet_options("--gpus", "--num-gpus", "--kvstore")
     brief(p, "--dataset", "--data-dir", "--download", "--model", "--hidden", "--num-layers",
           "--dropout", "--fanouts", "--batch-size", "--num-epochs", "--early-stop", "--seed",
@@ -413,19 +408,15 @@ def main(argv: list[str] | None = None) -> int:
         schedule = build_schedule(args, steps_per_epoch=steps_per_epoch, epochs=args.num_epochs)
     except ValueError as err:  # whole steps: a warmup that fits in epochs may not in steps
         raise UsageError(f"--warmup-epochs {float(args.warmup_epochs or 0):g}: {err}") from None
-    config = TrainerConfig(
+    config = trainer_config(
+        args,
         epochs=args.num_epochs,
-        max_steps=args.max_steps,
         batch_size=batch_size,
         log_interval=args.log_interval or max(1, steps_per_epoch // 4),
         eval_interval=args.eval_interval,
         save_dir=args.save_dir,
         save_frequency=0,
-        seed=args.seed,
         drop_last=False,
-        progress=not args.no_progress,
-        inject_straggler=args.inject_straggler,
-        skip_nonfinite=args.skip_nonfinite,
     )
     stopper = EarlyStopping(
         model,

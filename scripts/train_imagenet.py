@@ -37,7 +37,7 @@ from modelzoo.vision.data import BadImageError, ImageFolder, RecordIOError, digi
 from modelzoo.vision.recordio import RecordIODataset
 from modelzoo.vision.tasks import DropBlockRamp, ImageClassificationTask
 from modelzoo.vision.transforms import eval_transforms, train_transforms
-from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
+from trainers import DistEnv, RunLogger, Trainer, make_header
 from trainers.claims import majority_level
 from trainers.cli import (
     DTYPES,
@@ -48,6 +48,7 @@ from trainers.cli import (
     add_ema_args,
     add_export_args,
     add_optimizer_args,
+    add_run_args,
     add_schedule_args,
     add_tensor_parallel_args,
     add_tensorboard_args,
@@ -65,6 +66,7 @@ from trainers.cli import (
     run_configs,
     run_main,
     schedule_config,
+    trainer_config,
     unsplit_for_saving,
 )
 from trainers.errors import UsageError
@@ -214,7 +216,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="epochs to train",
     )
-    o.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
     o.add_argument(
         "--target-top1", type=float, default=None, metavar="ACC",
         help="time to accuracy: stop at the first evaluation with held-out top-1 >= ACC (0-1); "
@@ -232,44 +233,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--mixup", action="store_true", help="train on mixed pairs of images (mixup)")
     o.add_argument("--mixup-alpha", type=float, default=0.2)
     o.add_argument("--mixup-off-epoch", type=int, default=0, help="no mixup in the last N epochs")
-    o.add_argument(
-        "--dtype", type=str, default="float32", choices=sorted(DTYPES),
-        help="float16: autocast with loss scaling; bfloat16: autocast",
-    )  # fmt: skip
-    o.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    o.add_argument(
-        "--clip-grad-norm", type=float, default=None, help="global gradient clipping (<= 0: none)"
-    )
-    o.add_argument(
-        "--skip-nonfinite", type=int, default=0, metavar="N",
-        help="tolerate N optimizer steps with a non-finite loss: skip their updates (0: the "
-        "first one stops the run, naming the step)",
-    )  # fmt: skip
     o.add_argument("--channels-last", action="store_true")
-    o.add_argument(
-        "--seed", type=int, default=0, help="run seed: initial weights, data order, augmentation"
-    )
 
     g = p.add_argument_group("logging and checkpoints")
-    g.add_argument(
-        "--log-interval", type=int, default=None, help="optimizer steps between log lines"
-    )
     g.add_argument(
         "--save-frequency", type=int, default=0, help="epochs between checkpoints (0: last only)"
     )
     g.add_argument(
         "--save-dir", type=str, default=None, help="checkpoints (latest.pt) and the run log"
     )
-    g.add_argument(
-        "--logging-file", type=str, default=None, help="also write the console lines here"
-    )
-    g.add_argument(
-        "--run-log",
-        type=str,
-        default=None,
-        help="JSON Lines run log (default: <save-dir>/run.jsonl)",
-    )
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_args(o, g)  # --accumulate, --dtype, --seed, --max-steps, --run-log...
     p.add_mxnet_options("--num-gpus", "--gpus", "--kvstore", "--mode")
     brief(p, "--data-dir", "--use-rec", "--model", "--use-pretrained", "--resume", "--batch-size",
           "--num-epochs", "--max-steps", "--label-smoothing", "--mixup", "--dtype", "--seed",
@@ -487,23 +460,10 @@ def main(argv: list[str] | None = None) -> int:
         run_log, enabled=env.is_main, logging_file=args.logging_file, mode="a" if resuming else "w",
         tensorboard=args.tensorboard,
     )  # fmt: skip
-    config = TrainerConfig(
-        epochs=args.num_epochs,
-        max_steps=args.max_steps,
-        batch_size=args.batch_size,
-        grad_accum_steps=args.accumulate,
-        precision=DTYPES[args.dtype],
-        clip_grad_norm=args.clip_grad_norm if (args.clip_grad_norm or 0) > 0 else None,
-        log_interval=args.log_interval,
-        save_dir=args.save_dir,
-        save_frequency=args.save_frequency,
-        num_workers=args.num_workers,
-        seed=args.seed,
-        channels_last=args.channels_last,
-        progress=not args.no_progress,
-        inject_straggler=args.inject_straggler,
-        skip_nonfinite=args.skip_nonfinite,
-    )
+    config = trainer_config(
+        args, epochs=args.num_epochs, batch_size=args.batch_size, save_dir=args.save_dir,
+        save_frequency=args.save_frequency, channels_last=args.channels_last,
+    )  # fmt: skip
     if not resuming:
         logger.write(
             make_header(

@@ -1,9 +1,10 @@
 """Command-line flags shared by every training script, and what they build.
 
-Each script calls :func:`add_optimizer_args`, :func:`add_schedule_args` and
-:func:`add_distributed_args` on its parser, then :func:`build_optimizer`,
-:func:`build_schedule` and :func:`build_combiner` with the parsed namespace, so a flag added
-here (a new optimizer's hyperparameter, a new gradient combiner) reaches every script. The
+Each script calls :func:`add_run_args`, :func:`add_optimizer_args`, :func:`add_schedule_args`
+and :func:`add_distributed_args` on its parser, then :func:`trainer_config`,
+:func:`build_optimizer`, :func:`schedule_config` (the trainer counts the steps) and
+:func:`build_combiner` with the parsed namespace, so a flag added here (a new optimizer's
+hyperparameter, a new gradient combiner) reaches every script. The
 same goes for what users reach for while training: :func:`add_tensorboard_args`
 (``--tensorboard``), :func:`add_ema_args` (``--model-ema``, :func:`build_ema`) and
 :func:`add_gradient_checkpointing_args` (``--gradient-checkpointing``).
@@ -40,7 +41,13 @@ from .cli_parser import (
     split_command,
 )
 from .comm import GradCombiner, combiner_class, create_combiner, list_combiners
-from .config import CombinerConfig, ElasticConfig, OptimizerConfig, ScheduleConfig
+from .config import (
+    CombinerConfig,
+    ElasticConfig,
+    OptimizerConfig,
+    ScheduleConfig,
+    TrainerConfig,
+)
 from .dist import DistEnv
 from .ema import DEFAULT_DECAY, EMAConfig, ModelEMA
 from .optim import create_optimizer, list_optimizers, option_fields
@@ -74,6 +81,7 @@ __all__ = [
     "add_ema_args",
     "add_gradient_checkpointing_args",
     "add_optimizer_args",
+    "add_run_args",
     "add_schedule_args",
     "add_tensorboard_args",
     "add_tensor_parallel_args",
@@ -97,11 +105,87 @@ __all__ = [
     "run_configs",
     "schedule_config",
     "split_command",
+    "trainer_config",
 ]
 
 
 # --dtype (GluonCV's spelling) -> TrainerConfig.precision
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+# ---- the run: the flags of the loop every script shares, and its TrainerConfig ------------------
+def add_run_args(
+    training: Any,
+    logging: Any,
+    *,
+    seed: int = 0,
+    seed_help: str = "run seed: initial weights, data order, augmentation",
+    clip_grad_norm: float | None | bool = None,
+    accumulate: bool = True,
+    precision: bool = True,
+    max_steps_help: str = "stop after N optimizer steps",
+    log_interval: int | None = None,
+    log_interval_help: str = "optimizer steps between log lines",
+    logging_file: bool = True,
+) -> None:
+    """The flags of the training loop every script shares, in the script's ``training`` and
+    ``logging`` argument groups: ``--accumulate``, ``--clip-grad-norm`` (default
+    ``clip_grad_norm``; ``False``: no such flag), ``--skip-nonfinite``, ``--dtype``,
+    ``--max-steps``, ``--seed``; ``--log-interval``, ``--run-log``, ``--logging-file``,
+    ``--no-progress``. :func:`trainer_config` reads them back."""
+    if accumulate:
+        training.add_argument(
+            "--accumulate", type=int, default=1, help="micro-batches per optimizer step"
+        )
+    if clip_grad_norm is not False:
+        training.add_argument(
+            "--clip-grad-norm", type=float, default=clip_grad_norm,
+            help="global gradient clipping (<= 0: none)",
+        )  # fmt: skip
+    training.add_argument(
+        "--skip-nonfinite", type=int, default=0, metavar="N",
+        help="tolerate N optimizer steps with a non-finite loss: skip their updates (0: the "
+        "first one stops the run, naming the step)",
+    )  # fmt: skip
+    if precision:
+        training.add_argument(
+            "--dtype", type=str, default="float32", choices=sorted(DTYPES),
+            help="float16: autocast with loss scaling; bfloat16: autocast",
+        )  # fmt: skip
+    training.add_argument("--max-steps", type=int, default=None, help=max_steps_help)
+    training.add_argument("--seed", type=int, default=seed, help=seed_help)
+    logging.add_argument("--log-interval", type=int, default=log_interval, help=log_interval_help)
+    logging.add_argument("--run-log", type=str, default=None, help="JSON Lines run log")
+    if logging_file:
+        logging.add_argument(
+            "--logging-file", type=str, default=None, help="also write the console lines here"
+        )
+    logging.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def trainer_config(args: argparse.Namespace, **fields: Any) -> TrainerConfig:
+    """The :class:`TrainerConfig` of the shared flags (:func:`add_run_args`,
+    ``--inject-straggler`` of :func:`add_distributed_args`, ``--num-workers`` where the
+    script has it), with ``fields`` (the script's own: ``epochs``, ``batch_size``...) on top."""
+    config: dict[str, Any] = dict(
+        max_steps=args.max_steps,
+        seed=args.seed,
+        progress=not args.no_progress,
+        inject_straggler=args.inject_straggler,
+        skip_nonfinite=args.skip_nonfinite,
+        log_interval=args.log_interval,
+    )
+    if hasattr(args, "accumulate"):
+        config["grad_accum_steps"] = args.accumulate
+    if hasattr(args, "dtype"):
+        config["precision"] = DTYPES[args.dtype]
+    if hasattr(args, "clip_grad_norm"):
+        clip = args.clip_grad_norm
+        config["clip_grad_norm"] = clip if clip is not None and clip > 0 else None
+    if hasattr(args, "num_workers"):
+        config["num_workers"] = args.num_workers
+    config.update(fields)
+    return TrainerConfig(**config)
 
 
 def check_flag_groups(args: argparse.Namespace) -> None:
