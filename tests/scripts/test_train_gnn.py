@@ -21,6 +21,7 @@ import torch
 
 import modelzoo
 from modelzoo.graph import datasets as gd
+from modelzoo.graph.tasks import FULL, GraphClassificationTask, NodeClassificationTask
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "train_gnn.py"
@@ -164,10 +165,10 @@ def _evaluate(name: str, model: torch.nn.Module, dataset_args: list[str]) -> flo
     model.eval()
     with torch.no_grad():
         if name.startswith("gin"):
-            task = script.GraphClassificationTask(*loaded, torch.device("cpu"))
-            return float(task.eval_step(model, script.FULL)["test_acc"])
-        task = script.NodeClassificationTask(loaded, torch.device("cpu"), [])
-        return float(task.eval_step(model, script.FULL)["test_acc"])
+            task = GraphClassificationTask(*loaded, torch.device("cpu"))
+            return float(task.eval_step(model, FULL)["test_acc"])
+        task = NodeClassificationTask(loaded, torch.device("cpu"), [])
+        return float(task.eval_step(model, FULL)["test_acc"])
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
