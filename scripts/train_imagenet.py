@@ -32,6 +32,7 @@ import torch
 
 import modelzoo
 from modelzoo.artifact import image_preprocessing, is_artifact
+from modelzoo.family import find_family
 from modelzoo.store import ChecksumError, DownloadError
 from modelzoo.vision.data import BadImageError, ImageFolder, RecordIOError, digits_imagefolder
 from modelzoo.vision.recordio import RecordIODataset
@@ -343,16 +344,23 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--resume {_resume_path(args)}: no such checkpoint")
 
 
+def _image_classifier(name: str) -> bool:
+    """Whether zoo model ``name``'s family reads images (built on the meta device: free)."""
+    with torch.device("meta"):
+        family = find_family(modelzoo.registry.get_model_entry(name).builder())
+    return family is not None and family.modality == "image"
+
+
 def _check_image_model(flag: str, name: str) -> None:
     """``name`` is a zoo image model or an exported artifact folder."""
     if is_artifact(name):
         return
     try:
-        entry = modelzoo.registry.get_model_entry(name)
+        modelzoo.registry.get_model_entry(name)
     except ValueError as err:
         raise UsageError(f"{flag} {name}: {err}") from None
-    if not entry.builder.__module__.startswith("modelzoo.vision"):
-        images = ", ".join(n for n in modelzoo.list_models() if n.startswith("resnest"))
+    if not _image_classifier(name):
+        images = ", ".join(n for n in modelzoo.list_models() if _image_classifier(n))
         raise UsageError(f"{flag} {name} is not an image classifier; choose one of {images}")
 
 

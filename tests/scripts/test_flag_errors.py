@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import modelzoo
 from trainers.cli import run_main
 
 from ._scripts import captured_parser, load_script
@@ -274,3 +275,14 @@ def test_squad_missing_data_file_is_refused_before_any_work(flag, tmp_path, monk
     line = _assert_one_error(code, err)
     assert flag in line and missing in line
     assert not (tmp_path / "run.jsonl").exists()
+
+
+def test_imagenet_refuses_a_model_that_is_no_image_classifier():
+    """The choices it offers are every registered image classifier (its family's modality),
+    the ResNeSts and the ResNet v1b/v1d alike."""
+    code, _, err = _run("train_imagenet", ["--model", "gcn"])
+    line = _assert_one_error(code, err)
+    assert "--model gcn is not an image classifier; choose one of " in line
+    offered = set(line.split("choose one of ", 1)[1].strip().split(", "))
+    expected = {n for n in modelzoo.list_models() if n.startswith(("resnest", "resnet"))}
+    assert offered == expected and "resnet50_v1d" in offered
