@@ -18,7 +18,7 @@ from torch import nn
 from ._lookup import unknown_name
 from .weights import Weights
 
-__all__ = ["ModelEntry", "get_model_entry", "list_models", "register_model"]
+__all__ = ["ModelEntry", "get_model_entry", "list_models", "model_modality", "register_model"]
 
 Builder = TypeVar("Builder", bound=Callable[..., nn.Module])
 
@@ -88,16 +88,41 @@ def get_model_entry(name: str) -> ModelEntry:
     return _REGISTRY[key]
 
 
-def list_models(pattern: str | None = None, pretrained: bool | None = None) -> list[str]:
+def list_models(
+    pattern: str | None = None, pretrained: bool | None = None, modality: str | None = None
+) -> list[str]:
     """Sorted registered names, optionally filtered.
 
     Args:
         pattern: A shell-style wildcard, case-insensitive (``"resnest*"``).
         pretrained: ``True`` keeps models with published weights, ``False`` those without.
+        modality: Keeps the models whose family reads this (``"image"``, ``"text"``,
+            ``"graph"``, ``"tabular"``; :func:`model_modality`).
     """
     names = sorted(_REGISTRY)
     if pattern is not None:
         names = [n for n in names if fnmatch.fnmatchcase(n, pattern.lower())]
     if pretrained is not None:
         names = [n for n in names if bool(_REGISTRY[n].weights) == pretrained]
+    if modality is not None:
+        names = [n for n in names if model_modality(n) == modality]
     return names
+
+
+_MODALITIES: dict[Callable[..., nn.Module], str | None] = {}  # builder -> its modality
+
+
+def model_modality(name: str) -> str | None:
+    """What registered model ``name`` reads: its family's modality (``"image"``, ``"text"``,
+    ``"graph"``, ``"tabular"``; :mod:`modelzoo.family`), ``None`` for a model of no registered
+    family. Found by building the model once on the meta device (no memory, no weights)."""
+    entry = get_model_entry(name)
+    if entry.builder not in _MODALITIES:
+        import torch
+
+        from .family import find_family
+
+        with torch.device("meta"):
+            family = find_family(entry.builder())
+        _MODALITIES[entry.builder] = family.modality if family is not None else None
+    return _MODALITIES[entry.builder]

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from .entries import ModelEntry, get_model_entry, list_models, register_model
+from .entries import ModelEntry, get_model_entry, list_models, model_modality, register_model
 from .weights import Weights
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "get_weights",
     "list_models",
     "load_pretrained",
+    "model_modality",
     "register_model",
 ]
 

@@ -330,11 +330,11 @@ def check_args(args: argparse.Namespace) -> None:
                              "or --dataset squad1.1/squad2.0 to fetch the official ones)")  # fmt: skip
     name = args.bert_model
     try:
-        entry = modelzoo.registry.get_model_entry(name)
+        modality = modelzoo.registry.model_modality(name)
     except ValueError as err:
         raise UsageError(f"--bert-model {name}: {err}") from None
-    if not entry.builder.__module__.startswith("modelzoo.nlp"):
-        berts = ", ".join(n for n in modelzoo.list_models() if "bert" in n or "minilm" in n)
+    if modality != "text":
+        berts = ", ".join(modelzoo.list_models(modality="text"))
         raise UsageError(f"--bert-model {name} is not a BERT; choose one of {berts}")
 
 

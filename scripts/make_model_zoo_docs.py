@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import modelzoo
-from modelzoo.registry import get_model_entry
+from modelzoo.registry import get_model_entry, model_modality
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "model_zoo.md"
 
@@ -50,11 +50,11 @@ ogbn-products and the published accuracies to expect there.
 
 
 def _is_language_model(name: str) -> bool:
-    return get_model_entry(name).builder.__module__.startswith("modelzoo.nlp")
+    return model_modality(name) == "text"
 
 
 def _is_graph_model(name: str) -> bool:
-    return get_model_entry(name).builder.__module__.startswith("modelzoo.graph")
+    return model_modality(name) == "graph"
 
 
 def _graph_rows() -> list[str]:

@@ -319,13 +319,14 @@ def check_args(args: argparse.Namespace) -> None:
     """
     if args.bert_model is not None:
         try:
-            entry = modelzoo.registry.get_model_entry(args.bert_model)
+            modality = modelzoo.registry.model_modality(args.bert_model)
         except ValueError as err:
             raise UsageError(f"--bert-model {args.bert_model}: {err}") from None
-        if not entry.builder.__module__.startswith("modelzoo.nlp"):
+        if modality != "text":
             raise UsageError(
                 f"--bert-model {args.bert_model} is not a BERT; choose one of "
-                f"{', '.join(modelzoo.list_models('bert*'))} or leave it out (a small BERT)"
+                f"{', '.join(modelzoo.list_models(modality='text'))} or leave it out (a small "
+                "BERT)"
             )
     if 2 in args.phase_list and args.phase1_model and not Path(args.phase1_model).is_dir():
         raise UsageError(f"--phase1-model {args.phase1_model}: no such directory (phase 1 saves "

@@ -40,7 +40,6 @@ from modelzoo.fileio import atomic_write
 from modelzoo.graph import datasets as gdata
 from modelzoo.graph.tasks import GraphClassificationTask, NodeClassificationTask, NodeItems
 from modelzoo.graph.transforms import NodeFeatures
-from modelzoo.registry import get_model_entry
 from modelzoo.store import ChecksumError, DownloadError, cache_root
 from trainers import DistEnv, RunLogger, Trainer, make_header
 from trainers.claims import majority_level
@@ -177,12 +176,11 @@ def check_args(args: argparse.Namespace) -> None:
     if is_artifact(name):
         return
     try:
-        entry = get_model_entry(name)
+        modality = modelzoo.registry.model_modality(name)
     except ValueError as err:
         raise UsageError(f"--model {name}: {err}") from None
-    if not entry.builder.__module__.startswith("modelzoo.graph"):
-        graphs = sorted({n.split("_")[0] for n in modelzoo.list_models()
-                         if get_model_entry(n).builder.__module__.startswith("modelzoo.graph")})  # fmt: skip
+    if modality != "graph":
+        graphs = sorted({n.split("_")[0] for n in modelzoo.list_models(modality="graph")})
         raise UsageError(f"--model {name} is not a graph model; choose one of {', '.join(graphs)}")
 
 

@@ -167,3 +167,20 @@ def test_weights_preprocessing_comes_from_the_modality():
         get_modality("smell")
     with pytest.raises(ValueError, match="text inputs are preprocessed by their tokenizer"):
         modelzoo.get_weights("minilm_l6_h384").transforms()
+
+
+def test_list_models_by_modality_follows_the_families():
+    """Every registered model reads what its family says: the ResNeSts and ResNets images,
+    the BERTs text, the GNNs graphs (the names by hand; none is left without a family)."""
+    names = modelzoo.list_models()
+    image = {n for n in names if n.startswith(("resnest", "resnet"))}
+    text = {n for n in names if n.startswith(("bert_", "minilm"))}
+    graph = {n for n in names if n.startswith(("gcn", "gat", "gin", "graphsage"))}
+    assert image | text | graph == set(names)
+    assert set(modelzoo.list_models(modality="image")) == image
+    assert set(modelzoo.list_models(modality="text")) == text
+    assert set(modelzoo.list_models(modality="graph")) == graph
+    assert modelzoo.list_models("resnet5*", modality="image") == ["resnet50_v1b", "resnet50_v1d"]
+    assert modelzoo.registry.model_modality("minilm_l6_h384") == "text"
+    with pytest.raises(ValueError, match="resnest50"):
+        modelzoo.registry.model_modality("resnest5")

@@ -286,3 +286,24 @@ def test_imagenet_refuses_a_model_that_is_no_image_classifier():
     offered = set(line.split("choose one of ", 1)[1].strip().split(", "))
     expected = {n for n in modelzoo.list_models() if n.startswith(("resnest", "resnet"))}
     assert offered == expected and "resnet50_v1d" in offered
+
+
+@pytest.mark.parametrize(
+    ("script", "flag", "modality", "what"),
+    [
+        ("finetune_squad", "--bert-model", "text", "is not a BERT"),
+        ("pretrain_bert", "--bert-model", "text", "is not a BERT"),
+        ("train_gnn", "--model", "graph", "is not a graph model"),
+    ],
+)
+def test_a_model_of_another_modality_is_refused_with_the_right_choices(
+    script, flag, modality, what
+):
+    code, _, err = _run(script, [flag, "resnest14"])
+    line = _assert_one_error(code, err)
+    assert f"{flag} resnest14 {what}; choose one of " in line
+    offered = line.split("choose one of ", 1)[1]
+    if modality == "text":  # every BERT of the zoo, MiniLM included
+        assert all(n in offered for n in ("bert_12_768_12", "bert_24_1024_16", "minilm_l6_h384"))
+    else:  # the graph families
+        assert offered.strip() == "gat, gcn, gin, graphsage"
