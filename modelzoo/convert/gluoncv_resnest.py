@@ -39,6 +39,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ._gluon import assemble_state_dict
+
 __all__ = ["convert_gluoncv_resnest", "gluoncv_resnest_key_map"]
 
 _FLAT = re.compile(
@@ -127,11 +129,6 @@ def gluoncv_resnest_key_map(
     return out
 
 
-def _listing(items: list[str], limit: int = 12) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
-
-
 def convert_gluoncv_resnest(
     params: Mapping[str, np.ndarray], model: nn.Module, *, classifier: str = "fc"
 ) -> dict[str, torch.Tensor]:
@@ -162,47 +159,8 @@ def convert_gluoncv_resnest(
         >>> state = convert_gluoncv_resnest(load_mxnet_params(path), model)  # doctest: +SKIP
         >>> model.load_state_dict(state)  # doctest: +SKIP
     """
-    target = model.state_dict()
-    key_map = gluoncv_resnest_key_map(list(params), target)
-    unmapped = [n for n, k in key_map.items() if k is None or k not in target]
-    sources: dict[str, str] = {}
-    duplicated = []
-    for name, key in key_map.items():
-        if key is None or key not in target:
-            continue
-        if key in sources:
-            duplicated.append(f"{sources[key]} and {name} -> {key}")
-        sources[key] = name
-    missing = [k for k in target if k not in sources and not k.endswith("num_batches_tracked")]
-    mismatched = [
-        f"{name} {tuple(params[name].shape)} -> {key} {tuple(target[key].shape)}"
-        for key, name in sources.items()
-        if tuple(params[name].shape) != tuple(target[key].shape)
-        and not key.startswith(classifier + ".")
-    ]
-    problems = []
-    if unmapped:
-        problems.append(f"GluonCV names with no counterpart in the model: {_listing(unmapped)}")
-    if duplicated:
-        problems.append(f"mapped twice: {_listing(duplicated)}")
-    if missing:
-        problems.append(f"model keys the file does not provide: {_listing(missing)}")
-    if mismatched:
-        problems.append(f"shape mismatches: {_listing(mismatched)}")
-    if problems:
-        raise ValueError(
-            f"GluonCV ResNeSt parameters ({len(params)} arrays) do not fit "
-            f"{type(model).__name__} ({len(target)} keys): "
-            + "; ".join(problems)
-            + ". Check that the weights are for this variant (depth, radix, cardinality, width)."
-        )
-    state: dict[str, torch.Tensor] = {}
-    for key, value in target.items():
-        if key in sources:
-            array = np.ascontiguousarray(params[sources[key]])
-            if not array.flags.writeable:  # torch.from_numpy needs a writable array
-                array = array.copy()
-            state[key] = torch.from_numpy(array)
-        else:  # num_batches_tracked: MXNet keeps no such counter
-            state[key] = torch.zeros((), dtype=value.dtype)
-    return state
+    key_map = gluoncv_resnest_key_map(list(params), model.state_dict())
+    return assemble_state_dict(
+        params, model, key_map, classifier=classifier, what="GluonCV ResNeSt parameters",
+        hint="Check that the weights are for this variant (depth, radix, cardinality, width).",
+    )  # fmt: skip
