@@ -24,6 +24,7 @@ from ..weights import Weights
 from .family import ResNetShapedFamily
 from .labels import imagenet_classes
 from .splat import DropBlock2d, SplitAttnConv2d
+from .trunk import ResNetTrunk
 
 __all__ = ["Bottleneck", "ResNeSt", "ResNeStFamily"]
 
@@ -103,7 +104,7 @@ def _dropblock(prob: float) -> nn.Module:
     return DropBlock2d(prob, 3) if prob > 0 else nn.Identity()
 
 
-class ResNeSt(nn.Module):
+class ResNeSt(ResNetTrunk):
     """ResNeSt image classifier.
 
     Args:
@@ -250,31 +251,6 @@ class ResNeSt(nn.Module):
         for module in self.modules():
             if isinstance(module, Bottleneck) and module.last_gamma:
                 nn.init.zeros_(module.bn3.weight)
-
-    def get_classifier(self) -> nn.Module:
-        return self.fc
-
-    def reset_classifier(self, num_classes: int) -> None:
-        """Replaces the classifier with a freshly initialized one (GluonCV's ``reset_class``)."""
-        self.num_classes = num_classes
-        self.fc = nn.Linear(self.num_features, num_classes)
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.conv1(x)  # (B, 2 * stem_width, H / 2, W / 2)
-        x = self.bn1(x)
-        x = self.relu(x)
-        x = self.maxpool(x)  # (B, C, H / 4, W / 4)
-        x = self.layer1(x)
-        x = self.layer2(x)
-        x = self.layer3(x)
-        x = self.layer4(x)  # (B, 2048, H / 32, W / 32)
-        return x
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.forward_features(x)
-        x = self.avgpool(x).flatten(1)  # (B, 2048)
-        x = self.drop(x)
-        return self.fc(x)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from ..registry import register_model
 from ..weights import Weights
 from .family import ResNetShapedFamily
 from .labels import imagenet_classes
+from .trunk import ResNetTrunk
 
 __all__ = ["Bottleneck", "ResNetFamily", "ResNetV1b"]
 
@@ -78,7 +79,7 @@ class Bottleneck(nn.Module):
         return self.relu(out)
 
 
-class ResNetV1b(nn.Module):
+class ResNetV1b(ResNetTrunk):
     """ResNet v1b / v1d image classifier (GluonCV's ``ResNetV1b``).
 
     Args:
@@ -203,31 +204,6 @@ class ResNetV1b(nn.Module):
         for module in self.modules():
             if isinstance(module, Bottleneck) and module.last_gamma:
                 nn.init.zeros_(module.bn3.weight)
-
-    def get_classifier(self) -> nn.Module:
-        return self.fc
-
-    def reset_classifier(self, num_classes: int) -> None:
-        """Replaces the classifier with a freshly initialized one (GluonCV's ``reset_class``)."""
-        self.num_classes = num_classes
-        self.fc = nn.Linear(self.num_features, num_classes)
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.conv1(x)  # (B, 64, H / 2, W / 2)
-        x = self.bn1(x)
-        x = self.relu(x)
-        x = self.maxpool(x)  # (B, 64, H / 4, W / 4)
-        x = self.layer1(x)
-        x = self.layer2(x)
-        x = self.layer3(x)
-        x = self.layer4(x)  # (B, 2048, H / 32, W / 32)
-        return x
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.forward_features(x)
-        x = self.avgpool(x).flatten(1)  # (B, 2048)
-        x = self.drop(x)
-        return self.fc(x)
 
 
 # ---------------------------------------------------------------------------------------------
