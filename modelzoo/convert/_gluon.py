@@ -11,11 +11,55 @@ MXNet does not have, are set to 0.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
 from torch import nn
+
+
+def map_resnet_names(
+    names: list[str],
+    target_keys: list[str] | Mapping[str, object],
+    *,
+    flat: re.Pattern[str],
+    flat_target: Callable[[re.Match[str], bool, bool], str | None],
+    structural_target: Callable[[str], str | None],
+    what: str,
+    prefix_example: str,
+) -> dict[str, str | None]:
+    """Gluon names of a ResNet-shaped network -> our keys (``None`` where no rule applies).
+
+    Structural names (``layer1.0.conv1.weight``, Gluon's ``save_parameters``) go through
+    ``structural_target``; flat ones (``collect_params().save()``) must match ``flat`` (with a
+    ``prefix`` group) and go through ``flat_target(match, deep_stem, avg_down)``, where the
+    target keys tell a deep stem (``conv1.0.weight``) and average-pool shortcuts
+    (``layer*.0.downsample.2.weight``) apart.
+
+    Raises:
+        ValueError: Flat names that do not share one prefix (``what``: the family's name).
+    """
+    target = set(target_keys)
+    if names and all("." in n for n in names):
+        return {n: structural_target(n) for n in names}
+    deep_stem = "conv1.0.weight" in target
+    avg_down = any(re.fullmatch(r"layer\d+\.0\.downsample\.2\.weight", k) for k in target)
+    out: dict[str, str | None] = {}
+    prefixes = set()
+    for name in names:
+        match = flat.match(name)
+        if match is None:
+            out[name] = None
+            continue
+        prefixes.add(match["prefix"])
+        out[name] = flat_target(match, deep_stem, avg_down)
+    if len(prefixes) > 1:
+        raise ValueError(
+            f"GluonCV {what} names use several prefixes {sorted(prefixes)}; expected one "
+            f"network's parameters (e.g. all starting with {prefix_example!r})"
+        )
+    return out
 
 
 def listing(items: list[str], limit: int = 12) -> str:

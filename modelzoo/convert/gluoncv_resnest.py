@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._gluon import assemble_state_dict
+from ._gluon import assemble_state_dict, map_resnet_names
 
 __all__ = ["convert_gluoncv_resnest", "gluoncv_resnest_key_map"]
 
@@ -107,26 +107,10 @@ def gluoncv_resnest_key_map(
     Raises:
         ValueError: Flat names that do not share one prefix.
     """
-    target = set(target_keys)
-    if names and all("." in n for n in names):
-        return {n: _structural_target(n) for n in names}
-    deep_stem = "conv1.0.weight" in target
-    avg_down = any(re.fullmatch(r"layer\d+\.0\.downsample\.2\.weight", k) for k in target)
-    out: dict[str, str | None] = {}
-    prefixes = set()
-    for name in names:
-        match = _FLAT.match(name)
-        if match is None:
-            out[name] = None
-            continue
-        prefixes.add(match["prefix"])
-        out[name] = _flat_target(match, deep_stem, avg_down)
-    if len(prefixes) > 1:
-        raise ValueError(
-            f"GluonCV ResNeSt names use several prefixes {sorted(prefixes)}; expected one "
-            "network's parameters (e.g. all starting with 'resnest_')"
-        )
-    return out
+    return map_resnet_names(
+        names, target_keys, flat=_FLAT, flat_target=_flat_target,
+        structural_target=_structural_target, what="ResNeSt", prefix_example="resnest_",
+    )  # fmt: skip
 
 
 def convert_gluoncv_resnest(

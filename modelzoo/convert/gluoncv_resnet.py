@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._gluon import assemble_state_dict
+from ._gluon import assemble_state_dict, map_resnet_names
 
 __all__ = ["convert_gluoncv_resnet", "gluoncv_resnet_key_map"]
 
@@ -108,26 +108,10 @@ def gluoncv_resnet_key_map(
     Raises:
         ValueError: Flat names that do not share one prefix.
     """
-    target = set(target_keys)
-    if names and all("." in n for n in names):
-        return {n: _structural_target(n) for n in names}
-    deep_stem = "conv1.0.weight" in target
-    avg_down = any(re.fullmatch(r"layer\d+\.0\.downsample\.2\.weight", k) for k in target)
-    out: dict[str, str | None] = {}
-    prefixes = set()
-    for name in names:
-        match = _FLAT.match(name)
-        if match is None:
-            out[name] = None
-            continue
-        prefixes.add(match["prefix"])
-        out[name] = _flat_target(match, deep_stem, avg_down)
-    if len(prefixes) > 1:
-        raise ValueError(
-            f"GluonCV ResNet names use several prefixes {sorted(prefixes)}; expected one "
-            "network's parameters (e.g. all starting with 'resnetv1b_')"
-        )
-    return out
+    return map_resnet_names(
+        names, target_keys, flat=_FLAT, flat_target=_flat_target,
+        structural_target=_structural_target, what="ResNet", prefix_example="resnetv1b_",
+    )  # fmt: skip
 
 
 def convert_gluoncv_resnet(
