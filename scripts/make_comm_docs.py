@@ -12,19 +12,18 @@ from the mode's options dataclass (the same source as ``--grad-combine``'s flags
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _docblock import sync_block  # noqa: E402
+
 from trainers.comm import combiner_class, list_combiners  # noqa: E402
 
 DOC = ROOT / "docs" / "communication.md"
-BLOCK = re.compile(r"<!-- combiners -->\n.*?<!-- /combiners -->", re.S)
 
 
 def _options(mode: str) -> str:
@@ -55,23 +54,8 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail if the block is stale")
-    args = parser.parse_args(argv)
-    text = DOC.read_text(encoding="utf-8")
-    if not BLOCK.search(text):
-        print(f"{DOC} has no <!-- combiners --> ... <!-- /combiners --> block", file=sys.stderr)
-        return 2
-    new = BLOCK.sub(lambda _: render(), text)
-    if args.check:
-        if new != text:
-            print(f"{DOC} is stale: run python scripts/make_comm_docs.py", file=sys.stderr)
-            return 1
-        return 0
-    if new != text:
-        DOC.write_text(new, encoding="utf-8")
-        print(f"wrote {DOC}")
-    return 0
+    return sync_block(DOC, "combiners", render, script="make_comm_docs.py",
+                      description=__doc__.splitlines()[0], argv=argv)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -13,18 +13,17 @@ its help text, read from the field's metadata (the same source as the flags of
 
 from __future__ import annotations
 
-import argparse
-import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _docblock import sync_block  # noqa: E402
+
 from trainers.optim import OptionField, option_fields  # noqa: E402
 
 DOC = ROOT / "docs" / "optimizers.md"
-BLOCK = re.compile(r"<!-- optimizer-options -->\n.*?<!-- /optimizer-options -->", re.S)
 
 
 def _flag(field: OptionField) -> str:
@@ -57,24 +56,8 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail if the block is stale")
-    args = parser.parse_args(argv)
-    text = DOC.read_text(encoding="utf-8")
-    if not BLOCK.search(text):
-        print(f"{DOC} has no <!-- optimizer-options --> ... <!-- /optimizer-options --> block",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    new = BLOCK.sub(lambda _: render(), text)
-    if args.check:
-        if new != text:
-            print(f"{DOC} is stale: run python scripts/make_optim_docs.py", file=sys.stderr)
-            return 1
-        return 0
-    if new != text:
-        DOC.write_text(new, encoding="utf-8")
-        print(f"wrote {DOC}")
-    return 0
+    return sync_block(DOC, "optimizer-options", render, script="make_optim_docs.py",
+                      description=__doc__.splitlines()[0], argv=argv)  # fmt: skip
 
 
 if __name__ == "__main__":
