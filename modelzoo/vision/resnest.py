@@ -11,7 +11,6 @@ GluonCV ``.params`` files are converted on load (:mod:`modelzoo.convert.gluoncv_
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -232,25 +231,6 @@ class ResNeSt(ResNetTrunk):
                 Bottleneck(self.inplanes, planes, dropblock_prob=dropblock_prob, **self.block_args)
             )
         return nn.Sequential(*layers)
-
-    def reset_parameters(self) -> None:
-        """The official initialization: conv weights N(0, 2 / (k * k * out_channels)) (He,
-        fan-out), BN gamma 1 and beta 0 (gamma 0 on each block's last BN with
-        ``last_gamma``), PyTorch's default for the classifier."""
-        for module in self.modules():
-            if isinstance(module, nn.Conv2d):
-                fan_out = module.kernel_size[0] * module.kernel_size[1] * module.out_channels
-                nn.init.normal_(module.weight, 0.0, math.sqrt(2.0 / fan_out))
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.BatchNorm2d):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Linear):
-                module.reset_parameters()
-        for module in self.modules():
-            if isinstance(module, Bottleneck) and module.last_gamma:
-                nn.init.zeros_(module.bn3.weight)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ Module and parameter names follow torchvision's and timm's ResNet (``conv1``, ``
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -187,23 +186,6 @@ class ResNetV1b(ResNetTrunk):
         for _ in range(1, blocks):
             layers.append(Bottleneck(self.inplanes, planes, last_gamma=self.last_gamma))
         return nn.Sequential(*layers)
-
-    def reset_parameters(self) -> None:
-        """torchvision's and timm's initialization: conv weights He-normal with fan-out
-        (N(0, 2 / (k * k * out_channels))), BN gamma 1 and beta 0 (gamma 0 on each block's last
-        BN with ``last_gamma``), PyTorch's default for the classifier."""
-        for module in self.modules():
-            if isinstance(module, nn.Conv2d):
-                fan_out = module.kernel_size[0] * module.kernel_size[1] * module.out_channels
-                nn.init.normal_(module.weight, 0.0, math.sqrt(2.0 / fan_out))
-            elif isinstance(module, nn.BatchNorm2d):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Linear):
-                module.reset_parameters()
-        for module in self.modules():
-            if isinstance(module, Bottleneck) and module.last_gamma:
-                nn.init.zeros_(module.bn3.weight)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ builds those modules; :class:`ResNetTrunk` runs them in that order and owns the 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -20,6 +22,27 @@ class ResNetTrunk(nn.Module):
 
     num_classes: int
     num_features: int
+
+    def reset_parameters(self) -> None:
+        """The initialization of the official ResNeSt, torchvision and timm: conv weights
+        He-normal with fan-out, N(0, 2 / (k * k * out_channels)), conv biases 0, BN gamma 1 and
+        beta 0 (gamma 0 on each block's last BN, ``bn3``, where the block has ``last_gamma``),
+        PyTorch's default for the classifier."""
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                fan_out = module.kernel_size[0] * module.kernel_size[1] * module.out_channels
+                nn.init.normal_(module.weight, 0.0, math.sqrt(2.0 / fan_out))
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.BatchNorm2d):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Linear):
+                module.reset_parameters()
+        for module in self.modules():
+            last = getattr(module, "bn3", None)
+            if isinstance(last, nn.BatchNorm2d) and getattr(module, "last_gamma", False):
+                nn.init.zeros_(last.weight)
 
     def get_classifier(self) -> nn.Module:
         return self.fc
