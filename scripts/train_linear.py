@@ -43,21 +43,19 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
 from typing import Any
 
 import torch
 
 from modelzoo.linear import (
     LOSSES,
+    LinearData,
     add_intercept_column,
     build_linear_model,
     column_slice,
-    load_bundled,
-    load_svmlight,
     row_slice,
-    synthetic_sparse,
 )
+from modelzoo.linear.data import DATASETS, TooFewExamples, load_linear_data
 from modelzoo.linear.svmlight import SvmlightFormatError
 from trainers import DistEnv, RunLogger, make_header
 from trainers.checkpoint import CheckpointError
@@ -74,23 +72,17 @@ from trainers.cli import (
 )
 from trainers.comm.sparse import ALGORITHMS as SPARSE_ALGORITHMS
 from trainers.dist import UnsafeLaunchError, check_launch, peer_timeout, start_peer_watchdog
-from trainers.linear import (
-    COMBINERS,
-    CURVATURES,
-    CumulativeBatchLBFGS,
-    ElasticStateMismatch,
-    FeaturePartitionedSGD,
-    LBFGSConfig,
-    LinearElastic,
-    Messenger,
-    RowParallelSGD,
-    column_blocks,
-    epoch_batches,
-    gather_rows,
+from trainers.linear import COMBINERS, ElasticStateMismatch, LinearElastic
+from trainers.linear.recipes import (
+    MatrixOps,
+    SolverConfig,
+    SolverConfigError,
+    train_lbfgs,
+    train_rowparallel,
+    train_sgd,
 )
 from trainers.linear.rowparallel import DEFAULT_ROUND_BATCHES
 
-DATASETS = ("breast_cancer", "digits", "wine", "diabetes", "synthetic", "svmlight")
 SOLVERS = ("lbfgs", "sgd", "casgd")
 DEFAULT_LOSS = {"binary": "logistic", "multiclass": "multinomial", "regression": "squared"}
 
@@ -271,319 +263,63 @@ _SOLVER_FLAGS = {
 }
 
 
-def elastic_identity(args: argparse.Namespace, data: dict[str, Any], loss: str) -> dict[str, Any]:
+def elastic_identity(args: argparse.Namespace, data: LinearData, loss: str) -> dict[str, Any]:
     """What a resumed job must share with the saved one: the flags that fix the trajectory
     (not ``--num-epochs``/``--max-steps``, which only say where it ends) and the data's shape."""
     flags = _IDENTITY_FLAGS + _SOLVER_FLAGS[args.solver]
-    n, d = data["X_train"].shape
+    n, d = data.X_train.shape
     return {**{f: getattr(args, f) for f in flags}, "loss": loss, "train_rows": int(n),
-            "features": int(d), "num_classes": int(data["num_classes"])}  # fmt: skip
+            "features": int(d), "num_classes": int(data.num_classes)}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------- data
-def load_data(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
-    """``X_train, y_train, X_test, y_test, task, num_classes`` for the flags."""
-    if args.dataset in ("breast_cancer", "digits", "wine", "diabetes"):
-        d = load_bundled(args.dataset, test_size=args.test_fraction, seed=args.data_seed,
-                         dtype=dtype)  # fmt: skip
-        return {"X_train": d.X_train, "y_train": d.y_train, "X_test": d.X_test,
-                "y_test": d.y_test, "task": d.task, "num_classes": d.num_classes}  # fmt: skip
-    if args.dataset == "synthetic":
-        s = synthetic_sparse(args.synthetic_samples, args.synthetic_features, args.nnz_per_row,
-                             task=args.synthetic_task, columns=args.synthetic_columns,
-                             seed=args.data_seed, dtype=dtype)  # fmt: skip
-        X, y = s.X, s.y
-        task = "binary" if args.synthetic_task == "logistic" else "regression"
-    else:
-        zero_based = {"auto": "auto", "true": True, "false": False}[args.zero_based]
-        try:
-            data = load_svmlight(args.data_file, args.n_features, zero_based=zero_based,
-                                 dtype=dtype)  # fmt: skip
-        except (SvmlightFormatError, FileNotFoundError) as e:
-            raise SystemExit(f"--data-file: {e}") from None
-        X, y = data.X, data.y
-        labels = torch.unique(y)
-        if labels.numel() <= 2 and bool(((labels == 0) | (labels == 1) | (labels == -1)).all()):
-            y = (y > 0).to(dtype)  # {-1, +1} or {0, 1} -> {0, 1}
-            task = "binary"
-        elif (
-            bool((labels == labels.round()).all()) and labels.min() >= 0 and labels.numel() <= 1000
-        ):
-            y, task = y.long(), "multiclass"
-        else:
-            task = "regression"
-    n_test = max(1, int(round(args.test_fraction * X.shape[0])))
-    if X.shape[0] - n_test < 1:
-        raise SystemExit(f"{X.shape[0]} examples: too few to hold out --test-fraction")
-    cut = X.shape[0] - n_test  # the last rows are held out
-    num_classes = int(y.max()) + 1 if task == "multiclass" else (2 if task == "binary" else 0)
-    return {"X_train": row_slice(X, 0, cut), "y_train": y[:cut],
-            "X_test": row_slice(X, cut, X.shape[0]), "y_test": y[cut:],
-            "task": task, "num_classes": num_classes}  # fmt: skip
-
-
-def metrics(task: str, margins: torch.Tensor, y: torch.Tensor, loss: str, prefix: str) -> dict:
-    """Mean loss, and accuracy (classification) or mean squared error (regression)."""
-    value = LOSSES[loss].value(margins, y).double().mean()
-    out = {f"{prefix}_loss": float(value)}
-    if task == "regression":
-        out[f"{prefix}_mse"] = float(((margins - y) ** 2).double().mean())
-    else:
-        pred = margins.argmax(1) if margins.dim() == 2 else (margins > 0).long()
-        out[f"{prefix}_accuracy"] = float((pred == y.long()).double().mean())
-    return out
-
-
-# ------------------------------------------------------------------------------------- solvers
-def train_lbfgs(
-    args: argparse.Namespace,
-    env: DistEnv,
-    logger: RunLogger,
-    data: dict[str, Any],
-    loss: str,
-    dtype: torch.dtype,
-    elastic: LinearElastic | None = None,
-    resume: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Data-parallel L-BFGS, re-fit on all the rows so far as each of ``--arriving-batches``
-    arrives (one batch: plain L-BFGS); the ``end`` record's metrics.
-
-    With ``elastic``: saves every ``checkpoint_steps`` iterations and after each arriving
-    batch; ``resume`` (a saved state, any world size) continues where it was saved.
-    """
-    X, y = data["X_train"], data["y_train"]
-    n = X.shape[0]
-    model = build_linear_model(loss, X.shape[1], max(data["num_classes"], 2), dtype=dtype)
-    messenger = Messenger(latency=args.latency_ms / 1000)
-    config = LBFGSConfig(lr=args.lr, history_size=args.history_size,
-                         line_search=None if args.no_line_search else "strong_wolfe")  # fmt: skip
-    cumulative = CumulativeBatchLBFGS(model, penalty=lambda: model.penalty(args.wd),
-                              decay=args.sa_decay, config=config, messenger=messenger)  # fmt: skip
-    budget = args.max_steps if args.max_steps is not None else math.inf
-    step, start = 0, time.perf_counter()
-    arrivals = torch.linspace(0, n, args.sa_batches + 1).round().long().tolist()
-
-    def shard(k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows of the k-th arriving batch."""
-        lo, hi = arrivals[k], arrivals[k + 1]
-        bounds = torch.linspace(lo, hi, env.world_size + 1).round().long().tolist()
-        a, b = bounds[env.rank], bounds[env.rank + 1]
-        return row_slice(X, a, b), y[a:b]
-
-    def save(batch: int, iteration: int, in_batch: bool) -> None:
-        assert elastic is not None
-        elastic.save({"solver": cumulative.state_dict(), "batch": batch, "iteration": iteration,
-                      "in_batch": in_batch, "epochs": epochs, "loss_value": loss_value,
-                      "messages": messenger.messages, "bytes": messenger.bytes}, step=step)  # fmt: skip
-
-    epochs, first_batch, first_iteration, in_batch = 0, 0, 0, False
-    loss_value = math.nan
-    if resume is not None:  # the arrived batches, re-sharded over this world
-        arrived = int(resume["solver"]["arrived"])
-        cumulative.load_state_dict(resume["solver"], [shard(j) for j in range(arrived)])
-        messenger.messages, messenger.bytes = int(resume["messages"]), int(resume["bytes"])
-        step, epochs, loss_value = int(resume["step"]), int(resume["epochs"]), resume["loss_value"]
-        first_batch, first_iteration = int(resume["batch"]), int(resume["iteration"])
-        in_batch = bool(resume["in_batch"])
-    for k in range(first_batch, args.sa_batches):
-        resumed = in_batch and k == first_batch  # this batch arrived before the restart
-        if step >= budget and not resumed:
-            break
-        hi = arrivals[k + 1]  # the k-th arriving batch, sharded over ranks
-        t0, it0 = time.perf_counter(), 0
-        if resumed:
-            solver = cumulative.solver
-            assert solver is not None
-            it0 = args.iterations if solver.converged else first_iteration
-        else:
-            cumulative.add_batch(*shard(k))
-            solver = cumulative.solver
-            assert solver is not None
-            loss_value = solver.evaluate()
-        for it in range(it0, args.iterations):
-            if step >= budget:
-                break
-            loss_value = solver.step()
-            step += 1
-            if step % args.log_interval == 0:
-                speed = (hi * (it + 1 - it0)) / max(time.perf_counter() - t0, 1e-9)
-                logger.step(epoch=k, batch=it, step=step, loss=loss_value, lr=args.lr,
-                            samples_per_sec=speed, messages=messenger.messages)  # fmt: skip
-            if elastic is not None:
-                elastic.ledger_step(epoch=k, step=step, ids=[])  # every row, every iteration
-                if elastic.due(step - 1, step):
-                    save(k, it + 1, True)
-            if solver.converged:
-                break
-        elapsed = time.perf_counter() - t0
-        logger.epoch(epoch=k, step=step, loss=loss_value, samples_per_sec=hi / max(elapsed, 1e-9),
-                     time_cost=elapsed, examples=hi)  # fmt: skip
-        with torch.no_grad():
-            test = metrics(data["task"], model(data["X_test"]), data["y_test"], loss, "test")
-        logger.eval(epoch=k, step=step, **test)
-        epochs += 1
-        if elastic is not None:
-            save(k + 1, 0, False)
-    with torch.no_grad():
-        test = metrics(data["task"], model(data["X_test"]), data["y_test"], loss, "test")
-    return {"steps": step, "epochs": epochs, "total_time": time.perf_counter() - start,
-            "train_objective": loss_value, "messages": messenger.messages, **test}  # fmt: skip
-
-
-def train_sgd(
-    args: argparse.Namespace,
-    env: DistEnv,
-    logger: RunLogger,
-    data: dict[str, Any],
-    loss: str,
-    dtype: torch.dtype,
-    elastic: LinearElastic | None = None,
-    resume: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Feature-partitioned SGD or CA-SGD; the ``end`` record's metrics.
-
-    With ``elastic``: saves the full ``w`` (gathered) and the (epoch, next mini-batch)
-    position every ``checkpoint_steps`` mini-batches (at the end of the round that reaches
-    them) and after each epoch; ``resume`` continues with this world's column blocks.
-    """
-    X, y = add_intercept_column(data["X_train"]), data["y_train"]
-    X_test = add_intercept_column(data["X_test"])
-    lo, hi = column_blocks(X.shape[1], env.world_size)[env.rank]
-    C = data["num_classes"] if loss == "multinomial" else 1
-    messenger = Messenger(latency=args.latency_ms / 1000)
-    sgd = FeaturePartitionedSGD(column_slice(X, lo, hi), y, LOSSES[loss].derivative,
-                                loss_value=LOSSES[loss].value, num_outputs=C, lr=args.lr, l2=args.wd, precision=args.precision,
-                                messenger=messenger)  # fmt: skip
-    X_test_p = column_slice(X_test, lo, hi)
-    s = args.s if args.solver == "casgd" else 1
-    budget = args.max_steps if args.max_steps is not None else math.inf
-    start, epochs = time.perf_counter(), 0
-
-    def save(epoch: int, batch: int) -> None:
-        assert elastic is not None
-        block = sgd.state_dict()
-        w = gather_rows(block["w"], env.world_size)  # (d, C) on rank 0: every rank's block
-        elastic.save({"w": w, "steps": sgd.steps, "last_loss": sgd.last_loss, "epoch": epoch,
-                      "batch": batch, "epochs": epochs, "messages": messenger.messages,
-                      "bytes": messenger.bytes}, step=sgd.steps)  # fmt: skip
-
-    first_epoch, first_batch = 0, 0
-    if resume is not None:  # this world's column block of the saved w
-        sgd.load_state_dict({"w": resume["w"][lo:hi], "steps": resume["steps"],
-                             "last_loss": resume["last_loss"]})  # fmt: skip
-        messenger.messages, messenger.bytes = int(resume["messages"]), int(resume["bytes"])
-        first_epoch, first_batch = int(resume["epoch"]), int(resume["batch"])
-        epochs = int(resume["epochs"])
-    for epoch in range(first_epoch, args.num_epochs):
-        done = first_batch if epoch == first_epoch else 0  # mini-batches of it already applied
-        if sgd.steps >= budget and done == 0:
-            break
-        t0 = time.perf_counter()
-        batches = epoch_batches(X.shape[0], args.batch_size, seed=args.seed, epoch=epoch)
-        if budget < math.inf:
-            batches = batches[: int(budget - (sgd.steps - done))]
-        for first in range(done, len(batches), s):
-            r = first // s
-            group = batches[first : first + s]
-            before = sgd.steps
-            if args.solver == "casgd":
-                sgd.unrolled_step(group)
-            else:
-                sgd.step(group[0])
-            if (r + 1) % args.log_interval == 0:
-                rows = sum(int(b.numel()) for b in group) * (r + 1 - done // s) / len(group)
-                logger.step(epoch=epoch, batch=r, step=sgd.steps, loss=sgd.last_loss, lr=args.lr,
-                            samples_per_sec=rows / max(time.perf_counter() - t0, 1e-9),
-                            messages=messenger.messages)  # fmt: skip
-            if elastic is not None:
-                elastic.ledger_step(epoch=epoch, step=sgd.steps, ids=torch.cat(group))
-                if elastic.due(before, sgd.steps):
-                    save(epoch, first + len(group))
-        elapsed = time.perf_counter() - t0
-        train_obj = sgd.objective(LOSSES[loss].value)  # evaluation: not counted in messages
-        logger.epoch(epoch=epoch, step=sgd.steps, loss=train_obj, time_cost=elapsed,
-                     samples_per_sec=X.shape[0] / max(elapsed, 1e-9), messages=messenger.messages)  # fmt: skip
-        m = sgd.margins(X_test_p)
-        logger.eval(epoch=epoch, step=sgd.steps,
-                    **metrics(data["task"], m[:, 0] if C == 1 else m, data["y_test"], loss, "test"))  # fmt: skip
-        epochs += 1
-        if elastic is not None:
-            save(epoch + 1, 0)
-    m = sgd.margins(X_test_p)
-    test = metrics(data["task"], m[:, 0] if C == 1 else m, data["y_test"], loss, "test")
-    return {"steps": sgd.steps, "epochs": epochs, "total_time": time.perf_counter() - start,
-            "train_objective": sgd.objective(LOSSES[loss].value),
-            "messages": messenger.messages, **test}  # fmt: skip
-
-
-def train_rowparallel(
-    args: argparse.Namespace,
-    env: DistEnv,
-    logger: RunLogger,
-    data: dict[str, Any],
-    loss: str,
-    dtype: torch.dtype,
-    elastic: LinearElastic | None = None,
-    resume: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Row-partitioned SGD (``--grad-combine``); the ``end`` record's metrics.
-
-    Every rank loads all the data and the whole ``w``; a step record per round (or every
-    ``--log-interval`` rounds) with the combiner, the bytes this rank sent in the round and
-    in all (``round_bytes``, ``bytes_sent``) and, for ``allreduce``, the sparse algorithm.
-    """
-    assert elastic is None and resume is None  # refused by parse_args
-    X, y = add_intercept_column(data["X_train"]), data["y_train"]
-    X_test = add_intercept_column(data["X_test"])
-    C = data["num_classes"] if loss == "multinomial" else 1
-    messenger = Messenger(latency=args.latency_ms / 1000)
+def load_data(args: argparse.Namespace, dtype: torch.dtype) -> LinearData:
+    """The split for the flags (:func:`modelzoo.linear.data.load_linear_data`)."""
+    zero_based = {"auto": "auto", "true": True, "false": False}[args.zero_based]
     try:
-        sgd = RowParallelSGD(X, y, LOSSES[loss].derivative, combine=args.grad_combine,
-                             lr=args.lr, l2=args.wd, num_outputs=C, loss_value=LOSSES[loss].value,
-                             curvature=CURVATURES.get(loss), round_batches=args.round_batches,
-                             sparse_algorithm=args.sparse_allreduce,
-                             symsgd_rank=args.symsgd_rank or 16, exact=args.symsgd_exact,
-                             seed=args.seed, precision=args.precision,
-                             messenger=messenger)  # fmt: skip
-    except ValueError as e:
+        return load_linear_data(args.dataset, dtype=dtype, test_fraction=args.test_fraction,
+                                seed=args.data_seed, synthetic_samples=args.synthetic_samples,
+                                synthetic_features=args.synthetic_features,
+                                nnz_per_row=args.nnz_per_row, synthetic_task=args.synthetic_task,
+                                synthetic_columns=args.synthetic_columns,
+                                data_file=args.data_file, n_features=args.n_features,
+                                zero_based=zero_based)  # fmt: skip
+    except (SvmlightFormatError, FileNotFoundError) as e:
+        raise SystemExit(f"--data-file: {e}") from None
+    except TooFewExamples as e:
+        raise SystemExit(f"{e.n} examples: too few to hold out --test-fraction") from None
+
+
+def solver_config(args: argparse.Namespace) -> SolverConfig:
+    """The recipes' settings from the flags."""
+    return SolverConfig(solver=args.solver, lr=args.lr, wd=args.wd, latency_ms=args.latency_ms,
+                        max_steps=args.max_steps, log_interval=args.log_interval, seed=args.seed,
+                        history_size=args.history_size, iterations=args.iterations,
+                        line_search=not args.no_line_search, arriving_batches=args.sa_batches,
+                        arriving_decay=args.sa_decay, batch_size=args.batch_size,
+                        num_epochs=args.num_epochs, s_steps=args.s, precision=args.precision,
+                        grad_combine=args.grad_combine, round_batches=args.round_batches,
+                        sparse_allreduce=args.sparse_allreduce, symsgd_rank=args.symsgd_rank,
+                        symsgd_exact=args.symsgd_exact)  # fmt: skip
+
+
+def train(args: argparse.Namespace, env: DistEnv, logger: RunLogger, data: LinearData,
+          loss: str, dtype: torch.dtype, elastic: LinearElastic | None,
+          resume: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    """The flags' recipe (:mod:`trainers.linear.recipes`); the ``end`` record's metrics."""
+    config, margin_loss = solver_config(args), LOSSES[loss]
+    ops = MatrixOps(row_slice, column_slice, add_intercept_column)
+    if args.solver == "lbfgs":
+        model = build_linear_model(loss, data.X_train.shape[1], max(data.num_classes, 2),
+                                   dtype=dtype)  # fmt: skip
+        return train_lbfgs(config, env, logger, data, margin_loss, model, ops, elastic, resume)
+    if args.grad_combine is None:
+        return train_sgd(config, env, logger, data, margin_loss, ops, elastic, resume)
+    assert elastic is None and resume is None  # refused by parse_args
+    try:
+        return train_rowparallel(config, env, logger, data, margin_loss, ops)
+    except SolverConfigError as e:
         raise SystemExit(f"--grad-combine {args.grad_combine}: {e}") from None
-    budget = args.max_steps if args.max_steps is not None else math.inf
-    start, epochs, round_index = time.perf_counter(), 0, 0
-    for epoch in range(args.num_epochs):
-        if sgd.steps >= budget:
-            break
-        t0 = time.perf_counter()
-        batches = epoch_batches(X.shape[0], args.batch_size, seed=args.seed, epoch=epoch)
-        if budget < math.inf:
-            batches = batches[: int(budget - sgd.steps)]
-        size = sgd.batches_per_round
-        for r, first in enumerate(range(0, len(batches), size)):
-            group = batches[first : first + size]
-            sgd.round(group, round_index)
-            round_index += 1
-            if (r + 1) % args.log_interval == 0:
-                rows = sum(int(b.numel()) for b in batches[: first + len(group)])
-                extra = {}
-                if sgd.combine == "allreduce":
-                    extra["sparse_algorithm"] = sgd.last_algorithm
-                logger.step(epoch=epoch, batch=r, step=sgd.steps, loss=sgd.mean_round_loss(),
-                            lr=args.lr, samples_per_sec=rows / max(time.perf_counter() - t0, 1e-9),
-                            messages=messenger.messages, combiner=sgd.combine,
-                            round_bytes=sgd.round_bytes, bytes_sent=sgd.bytes_sent, **extra)  # fmt: skip
-        elapsed = time.perf_counter() - t0
-        logger.epoch(epoch=epoch, step=sgd.steps, loss=sgd.objective(LOSSES[loss].value),
-                     time_cost=elapsed, samples_per_sec=X.shape[0] / max(elapsed, 1e-9),
-                     messages=messenger.messages, bytes_sent=sgd.bytes_sent)  # fmt: skip
-        m = sgd.margins(X_test)
-        logger.eval(epoch=epoch, step=sgd.steps,
-                    **metrics(data["task"], m[:, 0] if C == 1 else m, data["y_test"], loss, "test"))  # fmt: skip
-        epochs += 1
-    m = sgd.margins(X_test)
-    test = metrics(data["task"], m[:, 0] if C == 1 else m, data["y_test"], loss, "test")
-    return {"steps": sgd.steps, "epochs": epochs, "total_time": time.perf_counter() - start,
-            "train_objective": sgd.objective(LOSSES[loss].value),
-            "messages": messenger.messages, "bytes_sent": sgd.bytes_sent,
-            "combiner": sgd.combine, **test}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------- main
@@ -592,10 +328,10 @@ def trivial_level(records: list[dict[str, Any]]) -> dict[str, Any]:
     the best constant prediction (the majority class) on the run's held-out rows."""
     args = parse_args(list(records[0]["command"][1:]))
     data = load_data(args, torch.float64)
-    if data["task"] == "regression":
+    if data.task == "regression":
         raise SystemExit("a regression has no majority class: its claims need another level")
     where = args.dataset if args.dataset != "svmlight" else args.data_file
-    return majority_level(data["y_test"].long().tolist(), what=f"held-out rows of {where}")
+    return majority_level(data.y_test.long().tolist(), what=f"held-out rows of {where}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -606,11 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     dtype = torch.float64 if args.precision == "fp64" else torch.float32
     data = load_data(args, dtype)
-    loss = args.loss or DEFAULT_LOSS[data["task"]]
-    if (loss == "multinomial") != (data["task"] == "multiclass") or (
-        (loss == "squared") != (data["task"] == "regression")
+    loss = args.loss or DEFAULT_LOSS[data.task]
+    if (loss == "multinomial") != (data.task == "multiclass") or (
+        (loss == "squared") != (data.task == "regression")
     ):
-        raise SystemExit(f"--loss {loss} does not fit the {data['task']} labels of {args.dataset}")
+        raise SystemExit(f"--loss {loss} does not fit the {data.task} labels of {args.dataset}")
     if args.grad_combine == "symsgd" and loss == "multinomial":
         raise SystemExit(_MULTINOMIAL_SYMSGD)
     elastic, resume, appending = None, None, False
@@ -637,22 +373,18 @@ def main(argv: list[str] | None = None) -> int:
                        tensorboard=args.tensorboard)  # fmt: skip
     if not appending:
         logger.write(make_header(command, args.seed, env.world_size, _header_config(args)))
-    n, d = data["X_train"].shape
+    n, d = data.X_train.shape
     solver = args.solver if args.grad_combine is None else f"sgd/{args.grad_combine} (rows)"
-    logger.info(f"{args.dataset}: {n} training / {data['X_test'].shape[0]} test examples, "
-                f"{d} features, {data['task']}; {loss} loss, {solver} on "
+    logger.info(f"{args.dataset}: {n} training / {data.X_test.shape[0]} test examples, "
+                f"{d} features, {data.task}; {loss} loss, {solver} on "
                 f"{env.world_size} process(es)")  # fmt: skip
     if elastic is not None:
         elastic.start(logger, resume)  # the membership record, the ledger
-    if args.solver == "lbfgs":
-        train = train_lbfgs
-    else:
-        train = train_sgd if args.grad_combine is None else train_rowparallel
     result = train(args, env, logger, data, loss, dtype, elastic, resume)
     logger.end(**result)
     if elastic is not None:
         elastic.finish()  # after the end record: a restart before it redoes the end
-    main_metric = "test_mse" if data["task"] == "regression" else "test_accuracy"
+    main_metric = "test_mse" if data.task == "regression" else "test_accuracy"
     logger.info(f"held-out {main_metric.split('_')[1]}: {result[main_metric]:.4f} "
                 f"(test loss {result['test_loss']:.4f}, {result['steps']} steps, "
                 f"{result['messages']} messages, {result['total_time']:.2f} s)")  # fmt: skip

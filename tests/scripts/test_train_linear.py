@@ -216,3 +216,50 @@ def test_row_parallel_bad_flags_error_clearly(script, capsys, args, message):
         assert message in capsys.readouterr().err
     else:  # the multinomial default of a multiclass data set is known once the data is read
         assert message in str(err.value.code)
+
+
+def test_the_library_recipes_are_the_script_run(script, tmp_path):
+    """``modelzoo.linear.data`` and ``trainers.linear.recipes`` without the script: the same
+    split and, for CA-SGD and L-BFGS, the same records as ``main`` on the same flags."""
+    import torch
+
+    from modelzoo.linear import (
+        LOSSES,
+        add_intercept_column,
+        build_linear_model,
+        column_slice,
+        row_slice,
+    )
+    from modelzoo.linear.data import TooFewExamples, load_linear_data
+    from trainers import DistEnv, RunLogger
+    from trainers.linear.recipes import MatrixOps, SolverConfig, train_lbfgs, train_sgd
+
+    data = load_linear_data("wine", seed=0)
+    assert (data.task, data.num_classes, data.X_train.shape) == ("multiclass", 3, (133, 13))
+    ops = MatrixOps(row_slice, column_slice, add_intercept_column)
+    config = SolverConfig(solver="casgd", lr=0.1, s_steps=4, num_epochs=2)
+    with RunLogger(tmp_path / "lib.jsonl") as logger:
+        end = train_sgd(config, DistEnv(), logger, data, LOSSES["multinomial"], ops)
+    flags = ["--dataset", "wine", "--solver", "casgd", "--s-steps", "4", "--num-epochs", "2"]
+    ran = _run(script, tmp_path, "script", *flags)
+    lib = _records(tmp_path / "lib.jsonl")
+    assert [r["loss"] for r in lib if r["kind"] == "step"] == [
+        r["loss"] for r in ran if r["kind"] == "step"
+    ]
+    for key in ("train_objective", "test_loss", "test_accuracy", "steps", "messages"):
+        assert end[key] == ran[-1][key], key
+
+    data = load_linear_data("breast_cancer", seed=0, dtype=torch.float64)
+    model = build_linear_model("logistic", data.X_train.shape[1], 2, dtype=torch.float64)
+    with RunLogger(None) as logger:
+        end = train_lbfgs(SolverConfig(iterations=10), DistEnv(), logger, data,
+                          LOSSES["logistic"], model, ops)  # fmt: skip
+    ran = _run(script, tmp_path, "lbfgs", "--iterations", "10", "--precision", "fp64")
+    assert end["test_loss"] == ran[-1]["test_loss"] and end["steps"] == ran[-1]["steps"]
+
+    path = tmp_path / "two.svm"
+    path.write_text("1 1:0.5\n-1 2:1\n", encoding="utf-8")
+    svm = load_linear_data("svmlight", data_file=path, test_fraction=0.5)
+    assert (svm.task, svm.y_train.tolist(), svm.y_test.tolist()) == ("binary", [1.0], [0.0])
+    with pytest.raises(TooFewExamples, match="2 examples: too few"):
+        load_linear_data("svmlight", data_file=path, test_fraction=0.9)
