@@ -34,32 +34,33 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import modelzoo
-from modelzoo.convert.bert import load_bert_checkpoint, save_hf_directory
-from modelzoo.nlp.bert import BertForQuestionAnswering, bert_from_checkpoint, set_dropout
-from modelzoo.nlp.squad import (
-    SquadFormatError,
-    SquadSet,
-    make_features,
-    read_squad,
-    squad_file,
+from modelzoo.convert.bert import save_hf_directory
+from modelzoo.nlp.bert import BertForQuestionAnswering, set_dropout
+from modelzoo.nlp.squad import SquadFormatError, SquadSet
+from modelzoo.nlp.squad_recipe import (
+    NAMED_VERSIONS,
+    MissingVocabularyError,
+    SquadFetchError,
+    build_qa_model,
+    build_qa_tokenizer,
+    load_squad_sets,
+    save_qa_artifact,
+    squad_windows,
 )
 from modelzoo.nlp.squad_task import (
     Collate,
-    EvalExamples,
     PredictionFiles,
     SquadTask,
     TrainFeatures,
     pipeline_inputs,
 )
-from modelzoo.nlp.stdlib_squad import stdlib_squad
-from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
+from modelzoo.nlp.tokenizer import BertTokenizer
 from modelzoo.store import ChecksumError, DownloadError
 from trainers import DistEnv, RunLogger, Trainer, make_header
 from trainers.checkpoint import load_checkpoint
@@ -90,7 +91,7 @@ from trainers.cli import (
 )
 from trainers.errors import UsageError
 from trainers.logs import gluonnlp_step_line
-from trainers.schedules import create_schedule
+from trainers.schedules import LinearWarmupRatio
 
 # What a newcomer gets with no data flags: MiniLM on the built-in stdlib set, CPU-sized.
 BUILTIN_DEFAULTS = dict(
@@ -118,8 +119,7 @@ SQUAD_DEFAULTS = dict(
 
 
 #: ``--dataset`` names: the built-in set, and SQuAD's official files by version.
-DATASETS = ("stdlib", "squad1.1", "squad2.0")
-NAMED_VERSIONS = {"squad1.1": "1.1", "squad2.0": "2.0"}
+DATASETS = ("stdlib", *NAMED_VERSIONS)
 # GluonNLP's finetune_squad.py reads SQuAD v1.1 by name (gluonnlp.data.SQuAD) when given no
 # files, and every SQuAD command it publishes carries its --gpu; no command of this project
 # needs --gpu, so a command with it and no files gets GluonNLP's data set, not the built-in one.
@@ -338,111 +338,38 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--bert-model {name} is not a BERT; choose one of {berts}")
 
 
-# ---------------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WarmupLinear:
-    """GluonNLP's SQuAD schedule in epochs (the trainer builds it per step): linear warmup
-    over ``int(total_steps x warmup_ratio)`` steps, then linear decay to 0."""
-
-    lr: float
-    warmup_ratio: float
-
-    def build(self, *, steps_per_epoch: int, epochs: int) -> Any:
-        total = steps_per_epoch * epochs
-        return create_schedule("linear", base_lr=self.lr, total_steps=total,
-                               warmup_steps=int(total * self.warmup_ratio))  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# Model and data set-up
-# ---------------------------------------------------------------------------------------------
-
-
 def load_sets(
     args: argparse.Namespace, logger: RunLogger | None = None
 ) -> tuple[SquadSet | None, SquadSet | None]:
-    """The training and evaluation sets of ``args.dataset``, saying in one line which data.
-
-    Named SQuAD files are fetched (and verified) into ``--data-dir`` when missing.
+    """The training and evaluation sets of ``args.dataset``, saying in one line which data
+    (:func:`modelzoo.nlp.squad_recipe.load_squad_sets`).
 
     Raises:
         UsageError: A named file cannot be fetched: no network, ``MODELZOO_OFFLINE=1``, or
             bytes that are not the published file (the store's message names the file, its
             URL and where to put it).
     """
-    say = logger.info if logger is not None else (lambda line: None)
-    version = "2.0" if args.version_2 else "1.1"
-    if args.dataset == "stdlib":
-        say(
-            "data: the built-in SQuAD 1.1-format set of Python standard-library docstrings "
-            "(modelzoo.nlp.stdlib_squad, nothing downloaded); --dataset squad1.1 or squad2.0 "
-            "fetches SQuAD"
-        )
-        train = None if args.only_predict else read_squad(stdlib_squad("train"), training=True)
-        return train, read_squad(stdlib_squad("dev"))
-    own = {"train": args.train_file, "dev": args.predict_file}
-    paths: dict[str, tuple[str, bool]] = {}  # split -> (path, official)
-    for split in ("dev",) if args.only_predict else ("train", "dev"):
-        if own[split]:
-            paths[split] = (own[split], False)
-        elif args.dataset in NAMED_VERSIONS:
-            paths[split] = (str(fetch_squad(args, split)), True)
-    named = args.dataset in NAMED_VERSIONS
-    what = f"SQuAD v{version} by name" if named else f"SQuAD {version}-format files"
-    listed = ", ".join(
-        f"{split} {path}" + (" (official, sha256-verified)" if official else " (yours)")
-        for split, (path, official) in paths.items()
-    )
-    say(f"data: {what} ({args.dataset_by}): {listed}")
-    read = {
-        split: read_squad(path, version=version, skip_bad=args.skip_bad_examples,
-                          training=split == "train")
-        for split, (path, _) in paths.items()
-    }  # fmt: skip
-    return read.get("train"), read.get("dev")
-
-
-def fetch_squad(args: argparse.Namespace, split: str) -> Path:
-    """The official file of ``split`` for ``args.dataset``, fetched through the store."""
     try:
-        return squad_file(
-            NAMED_VERSIONS[args.dataset], split, root=args.data_dir, progress=not args.no_progress
-        )
-    except (DownloadError, ChecksumError, FileNotFoundError) as exc:
+        return load_squad_sets(
+            args.dataset, train_file=args.train_file, predict_file=args.predict_file,
+            version_2=args.version_2, only_predict=args.only_predict,
+            skip_bad=args.skip_bad_examples, data_dir=args.data_dir,
+            progress=not args.no_progress, chosen_by=args.dataset_by,
+            say=logger.info if logger is not None else None,
+        )  # fmt: skip
+    except SquadFetchError as exc:
         raise UsageError(
-            f"{args.dataset} ({args.dataset_by}) needs its {split} file: {exc} Without the "
-            "network, --dataset stdlib trains on the built-in set."
+            f"{args.dataset} ({args.dataset_by}) needs its {exc.split} file: {exc.cause} "
+            "Without the network, --dataset stdlib trains on the built-in set."
         ) from None
 
 
 def build_model(args: argparse.Namespace, logger: RunLogger, progress: bool) -> torch.nn.Module:
-    entry = modelzoo.registry.get_model_entry(args.bert_model)
-    source = Path(args.pretrained_bert_parameters or "")
-    folder = source if source.is_dir() else source.parent
-    if args.pretrained_bert_parameters and (folder / "config.json").is_file():
-        # A checkpoint with its config (e.g. scripts/pretrain_bert.py's): build its size.
-        model = bert_from_checkpoint(source, head="qa")
-        logger.info(f"loaded {source} ({model.config.num_layers} layers, from its config.json)")
-    elif args.pretrained_bert_parameters or args.model_parameters:
-        model = entry.builder(head="qa")
-        if args.pretrained_bert_parameters:
-            load_bert_checkpoint(model, args.pretrained_bert_parameters)
-            logger.info(f"loaded {args.pretrained_bert_parameters}")
-    else:
-        tag = args.bert_weights or True
-        model = modelzoo.get_model(args.bert_model, pretrained=tag, head="qa", progress=progress)
-    if args.model_parameters:
-        path = Path(args.model_parameters)
-        if path.is_dir() or path.suffix == ".safetensors":
-            load_bert_checkpoint(model, path)  # this script's Hugging Face directory, or ours
-        else:
-            state = load_checkpoint(path)  # a trainer checkpoint
-            model.load_state_dict(state.get("model", state), strict=True)
-        logger.info(f"loaded fine-tuned parameters {path}")
+    model = build_qa_model(
+        args.bert_model, pretrained_parameters=args.pretrained_bert_parameters,
+        fine_tuned_parameters=args.model_parameters, weights=args.bert_weights,
+        progress=progress, load_state=load_checkpoint, say=logger.info,
+    )  # fmt: skip
     if not isinstance(model, BertForQuestionAnswering):
         raise SystemExit(f"--bert-model {args.bert_model} is not a BERT")
     if args.dropout is not None:
@@ -453,21 +380,18 @@ def build_model(args: argparse.Namespace, logger: RunLogger, progress: bool) -> 
 def build_tokenizer(args: argparse.Namespace, progress: bool) -> BertTokenizer:
     """``--vocab-file``; else the vocabulary saved beside ``--model-parameters`` or
     ``--pretrained-bert-parameters``; else the one published with the zoo weights."""
-    if args.vocab_file:
-        return BertTokenizer.from_file(args.vocab_file)
-    for source in (args.model_parameters, args.pretrained_bert_parameters):
-        if not source:
-            continue
-        folder = Path(source) if Path(source).is_dir() else Path(source).parent
-        if (folder / "vocab.txt").is_file():
-            return BertTokenizer.from_dir(folder)
-    source = args.pretrained_bert_parameters
-    if source and Path(source).suffix != ".params":
+    try:
+        return build_qa_tokenizer(
+            args.bert_model, vocab_file=args.vocab_file,
+            fine_tuned_parameters=args.model_parameters,
+            pretrained_parameters=args.pretrained_bert_parameters, weights=args.bert_weights,
+            progress=progress,
+        )  # fmt: skip
+    except MissingVocabularyError:
         raise SystemExit(
-            f"--pretrained-bert-parameters {source}: no vocab.txt beside it; pass the "
-            "checkpoint's vocabulary with --vocab-file"
-        )
-    return get_tokenizer(args.bert_model, args.bert_weights or True, progress=progress)
+            f"--pretrained-bert-parameters {args.pretrained_bert_parameters}: no vocab.txt "
+            "beside it; pass the checkpoint's vocabulary with --vocab-file"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,25 +437,15 @@ def main(argv: list[str] | None = None) -> int:
         if data is not None:
             logger.info(f"[{name}] {data.report()}")
     tokenizer = build_tokenizer(args, env.is_main)
-    window = dict(
-        max_seq_length=args.max_seq_length,
-        doc_stride=args.doc_stride,
-        max_query_length=args.max_query_length,
-    )
-    train_features = None
-    if train_set is not None:
-        train_features = make_features(train_set.examples, tokenizer, training=True, **window)
-        logger.info(f"[train] {len(train_features)} windows of {len(train_set)} questions")
-    eval_set = None
+    train_features, eval_set = squad_windows(
+        train_set, dev_set, tokenizer, max_seq_length=args.max_seq_length,
+        doc_stride=args.doc_stride, max_query_length=args.max_query_length, say=logger.info,
+    )  # fmt: skip
     task = SquadTask(
         dev_set.examples if dev_set is not None else [], n_best_size=args.n_best_size,
         max_answer_length=args.max_answer_length, version_2=args.version_2,
         null_score_diff_threshold=args.null_score_diff_threshold,
     )  # fmt: skip
-    if dev_set is not None:
-        dev_features = make_features(dev_set.examples, tokenizer, **window)
-        eval_set = EvalExamples(dev_set.examples, dev_features)
-        logger.info(f"[dev] {len(dev_features)} windows of {len(dev_set)} questions")
 
     torch.manual_seed(args.seed)  # the same span-classifier init on every rank and rerun
     model = build_model(args, logger, env.is_main)
@@ -546,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     trainer = Trainer(
         model, optimizer, config, env=env, logger=logger,
-        lr_schedule=WarmupLinear(args.lr, args.warmup_ratio),
+        lr_schedule=LinearWarmupRatio(args.lr, args.warmup_ratio),
         train_step=task.train_step, eval_step=task.eval_step if eval_set is not None else None,
         combiner=combiner,
         hooks=[PredictionFiles(task, env, logger, output_dir)],
@@ -610,13 +524,9 @@ def export_model(
 ) -> Path:
     """``--export-dir``: the fine-tuned model (the EMA's weights with ``--model-ema``), its
     vocabulary and the windowing and post-processing it was evaluated with."""
-    metrics = {**trainer.last_eval, **(ema.last_metrics if ema is not None else {})}
-    squad = {key: getattr(args, key) for key in (
-        "max_seq_length", "doc_stride", "max_query_length", "max_answer_length", "n_best_size",
-        "version_2", "null_score_diff_threshold")}  # fmt: skip
-    return modelzoo.save_artifact(
-        args.export_dir, model, model_name=args.bert_model, model_kwargs={"head": "qa"},
-        task="question-answering", preprocessing=squad, tokenizer=tokenizer, metrics=metrics,
+    return save_qa_artifact(
+        args.export_dir, model, tokenizer, model_name=args.bert_model, options=vars(args),
+        metrics={**trainer.last_eval, **(ema.last_metrics if ema is not None else {})},
         source=export_source(args, command, weights="ema" if ema else "model"),
         state_dict=ema.state_dict_for_export() if ema is not None else None,
     )  # fmt: skip

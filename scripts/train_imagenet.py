@@ -31,13 +31,19 @@ from typing import Any
 import torch
 
 import modelzoo
-from modelzoo.artifact import image_preprocessing, is_artifact
-from modelzoo.family import find_family
+from modelzoo.artifact import is_artifact
 from modelzoo.store import ChecksumError, DownloadError
-from modelzoo.vision.data import BadImageError, ImageFolder, RecordIOError, digits_imagefolder
-from modelzoo.vision.recordio import RecordIODataset
+from modelzoo.vision.data import BadImageError, ImageFolder, RecordIOError
+from modelzoo.vision.recipe import (
+    ImageSetError,
+    image_datasets,
+    image_root,
+    is_image_classifier,
+    model_options,
+    parse_rgb,
+    save_classifier_artifact,
+)
 from modelzoo.vision.tasks import DropBlockRamp, ImageClassificationTask
-from modelzoo.vision.transforms import eval_transforms, train_transforms
 from trainers import DistEnv, RunLogger, Trainer, make_header
 from trainers.claims import majority_level
 from trainers.cli import (
@@ -291,10 +297,10 @@ def _check_flags(p: ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--dtype must be one of {sorted(DTYPES)}")
     for flag, text in (("--rgb-mean", args.rgb_mean), ("--rgb-std", args.rgb_std)):
         try:
-            _floats(text, flag)
-        except SystemExit as err:
-            p.error(str(err.code))
-    if 0 in _floats(args.rgb_std, "--rgb-std"):
+            parse_rgb(text, flag)
+        except ValueError as err:
+            p.error(str(err))
+    if 0 in parse_rgb(args.rgb_std, "--rgb-std"):
         p.error(f"--rgb-std {args.rgb_std}: a standard deviation of 0 divides by zero")
     if args.mixup_off_epoch > args.num_epochs:
         p.error(f"--mixup-off-epoch {args.mixup_off_epoch} exceeds --num-epochs {args.num_epochs}")
@@ -344,13 +350,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--resume {_resume_path(args)}: no such checkpoint")
 
 
-def _image_classifier(name: str) -> bool:
-    """Whether zoo model ``name``'s family reads images (built on the meta device: free)."""
-    with torch.device("meta"):
-        family = find_family(modelzoo.registry.get_model_entry(name).builder())
-    return family is not None and family.modality == "image"
-
-
 def _check_image_model(flag: str, name: str) -> None:
     """``name`` is a zoo image model or an exported artifact folder."""
     if is_artifact(name):
@@ -359,54 +358,25 @@ def _check_image_model(flag: str, name: str) -> None:
         modelzoo.registry.get_model_entry(name)
     except ValueError as err:
         raise UsageError(f"{flag} {name}: {err}") from None
-    if not _image_classifier(name):
-        images = ", ".join(n for n in modelzoo.list_models() if _image_classifier(n))
+    if not is_image_classifier(name):
+        images = ", ".join(modelzoo.list_models(modality="image"))
         raise UsageError(f"{flag} {name} is not an image classifier; choose one of {images}")
 
 
-def _floats(text: str, flag: str) -> tuple[float, float, float]:
-    try:
-        values = tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise SystemExit(f"{flag}: expected three comma-separated numbers, got {text!r}") from None
-    if len(values) != 3:
-        raise SystemExit(f"{flag}: expected three comma-separated numbers, got {text!r}")
-    return values  # type: ignore[return-value]
-
-
 def build_datasets(args: argparse.Namespace) -> tuple[Any, Any, int]:
-    mean = _floats(args.rgb_mean, "--rgb-mean")
-    std = _floats(args.rgb_std, "--rgb-std")
-    train_tf = train_transforms(
-        args.input_size, mean=mean, std=std, jitter=args.jitter, lighting=args.lighting,
-        scale=(args.min_random_area, 1.0), hflip=args.hflip,
-    )  # fmt: skip
-    eval_tf = eval_transforms(args.input_size, crop_ratio=args.crop_ratio, mean=mean, std=std)
-    if args.dataset == "recordio":
-        train = RecordIODataset(
-            args.rec_train, args.rec_train_idx, train_tf, skip_bad=args.skip_bad_images
-        )
-        val = None
-        if args.rec_val:
-            if not args.rec_val_idx:
-                raise SystemExit("--rec-val needs --rec-val-idx")
-            val = RecordIODataset(
-                args.rec_val, args.rec_val_idx, eval_tf, skip_bad=args.skip_bad_images
-            )
-        num_classes = args.num_classes or 1000
-        return train, val, num_classes
-    root = digits_imagefolder() if args.dataset == "digits" else Path(args.data_dir).expanduser()
-    train = ImageFolder(root / "train", train_tf, skip_bad=args.skip_bad_images)
-    val_dir = root / "val"
-    val = ImageFolder(val_dir, eval_tf, skip_bad=args.skip_bad_images) if val_dir.is_dir() else None
-    if val is not None and val.classes != train.classes:
-        raise SystemExit(f"{val_dir}: class folders differ from {root / 'train'}'s")
-    if args.num_classes is not None and args.num_classes != len(train.classes):
-        raise SystemExit(
-            f"--num-classes {args.num_classes} disagrees with the {len(train.classes)} class "
-            f"folders in {root / 'train'}"
-        )
-    return train, val, len(train.classes)
+    """The training and validation sets and the number of classes the flags name
+    (:func:`modelzoo.vision.recipe.image_datasets`)."""
+    try:
+        return image_datasets(
+            args.dataset, input_size=args.input_size, crop_ratio=args.crop_ratio,
+            mean=parse_rgb(args.rgb_mean, "--rgb-mean"), std=parse_rgb(args.rgb_std, "--rgb-std"),
+            jitter=args.jitter, lighting=args.lighting, min_random_area=args.min_random_area,
+            hflip=args.hflip, data_dir=args.data_dir, rec_train=args.rec_train,
+            rec_train_idx=args.rec_train_idx, rec_val=args.rec_val, rec_val_idx=args.rec_val_idx,
+            num_classes=args.num_classes, skip_bad=args.skip_bad_images,
+        )  # fmt: skip
+    except ImageSetError as err:
+        raise SystemExit(str(err)) from None
 
 
 def _resume_path(args: argparse.Namespace) -> Path:
@@ -426,8 +396,7 @@ def trivial_level(records: list[dict[str, Any]]) -> dict[str, Any]:
     if args.dataset == "recordio":
         raise SystemExit("the trivial level of a RecordIO validation set is not computed: "
                          "publish the recipe from an image folder")  # fmt: skip
-    root = digits_imagefolder() if args.dataset == "digits" else Path(args.data_dir).expanduser()
-    val = ImageFolder(root / "val", None)
+    val = ImageFolder(image_root(args.dataset, args.data_dir) / "val", None)
     where = "held-out digits" if args.dataset == "digits" else f"images of {args.data_dir}/val"
     return majority_level(
         [target for _, target in val.samples], what=where, name=lambda t: val.classes[t]
@@ -544,15 +513,14 @@ def export_model(
 ) -> Path:
     """``--export-dir``: the artifact folder of the run (the EMA's weights with
     ``--model-ema``): the model, its evaluation preprocessing and the class folder names."""
-    mean = [m / 255 for m in _floats(args.rgb_mean, "--rgb-mean")]
-    std = [s / 255 for s in _floats(args.rgb_std, "--rgb-std")]
-    metrics = {**trainer.last_eval, **(ema.last_metrics if ema is not None else {})}
-    return modelzoo.save_artifact(
+    return save_classifier_artifact(
         args.export_dir, model, model_name=args.model,
         model_kwargs={"num_classes": num_classes, **_model_options(args)},
-        task="image-classification", labels=getattr(train_set, "classes", None),
-        preprocessing=image_preprocessing(args.input_size, args.crop_ratio, mean, std),
-        metrics=metrics, source=export_source(args, command, weights="ema" if ema else "model"),
+        labels=getattr(train_set, "classes", None), input_size=args.input_size,
+        crop_ratio=args.crop_ratio, mean=parse_rgb(args.rgb_mean, "--rgb-mean"),
+        std=parse_rgb(args.rgb_std, "--rgb-std"),
+        metrics={**trainer.last_eval, **(ema.last_metrics if ema is not None else {})},
+        source=export_source(args, command, weights="ema" if ema else "model"),
         state_dict=ema.state_dict_for_export() if ema is not None else None,
     )  # fmt: skip
 
@@ -575,14 +543,8 @@ def _check_batch_norm(args: argparse.Namespace, model: torch.nn.Module) -> None:
 
 
 def _model_options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    if args.last_gamma:
-        options["last_gamma"] = True
-    if args.dropblock_prob > 0:
-        options["dropblock_prob"] = args.dropblock_prob
-    if args.final_drop > 0:
-        options["final_drop"] = args.final_drop
-    return options
+    return model_options(last_gamma=args.last_gamma, dropblock_prob=args.dropblock_prob,
+                         final_drop=args.final_drop)  # fmt: skip
 
 
 if __name__ == "__main__":

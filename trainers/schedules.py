@@ -83,7 +83,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["RATIO_MODES", "SCHEDULE_MODES", "LRSchedule", "apply_lr", "create_schedule"]
+__all__ = [
+    "RATIO_MODES",
+    "SCHEDULE_MODES",
+    "LRSchedule",
+    "LinearWarmupRatio",
+    "apply_lr",
+    "create_schedule",
+]
 
 SCHEDULE_MODES = (
     "step",
@@ -322,6 +329,27 @@ def create_schedule(
         warmup_ratio=None if warmup_ratio is None else float(warmup_ratio),
         constant_ratio=None if constant_ratio is None else float(constant_ratio),
     )
+
+
+@dataclass(frozen=True)
+class LinearWarmupRatio:
+    """A schedule in epochs (the trainer builds it per step once it knows the steps per epoch):
+    linear warmup over ``int(total_steps x warmup_ratio)`` steps, then linear decay to 0 at
+    ``total_steps`` -- GluonNLP's SQuAD and GLUE fine-tuning schedule.
+
+    Example:
+        >>> LinearWarmupRatio(3e-5, 0.1).build(steps_per_epoch=50, epochs=2)(10)
+        3e-05
+    """
+
+    lr: float
+    warmup_ratio: float
+
+    def build(self, *, steps_per_epoch: int, epochs: int) -> LRSchedule:
+        """The per-step :class:`LRSchedule` of a run of ``epochs x steps_per_epoch`` steps."""
+        total = steps_per_epoch * epochs
+        return create_schedule("linear", base_lr=self.lr, total_steps=total,
+                               warmup_steps=int(total * self.warmup_ratio))  # fmt: skip
 
 
 def apply_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -328,3 +328,26 @@ def test_model_parallel_fine_tuning_equals_one_process(tmp_path):
     assert predictions[0] == predictions[1] == predictions[2]
     evals = [[r["f1"] for r in recs if r["kind"] == "eval"] for recs in (one, planned)]
     assert evals[1] == pytest.approx(evals[0], abs=1e-9) and evals[0]
+
+
+def test_the_schedule_and_windows_are_library_code():
+    """What the script wires, reusable without it: GluonNLP's warmup-by-ratio schedule (int of
+    total x ratio warmup steps, then linear decay to 0) and the windows of the sets given."""
+    from modelzoo.nlp.squad import read_squad
+    from modelzoo.nlp.squad_recipe import squad_windows
+    from modelzoo.nlp.stdlib_squad import stdlib_squad
+    from modelzoo.nlp.tokenizer import get_tokenizer
+    from trainers.schedules import LinearWarmupRatio
+
+    schedule = LinearWarmupRatio(0.3, 0.15).build(steps_per_epoch=7, epochs=2)  # warmup int(2.1)
+    assert (schedule.total_steps, schedule.warmup_steps) == (14, 2)
+    assert [schedule(t) for t in (0, 1, 2, 14)] == pytest.approx([0.0, 0.15, 0.3, 0.0])
+    assert schedule(8) == pytest.approx(0.3 * (14 - 8) / 12)
+    lines: list[str] = []
+    dev = read_squad(stdlib_squad("dev"))
+    train, evaluation = squad_windows(None, dev, get_tokenizer("minilm_l6_h384", progress=False),
+                                      max_seq_length=64, doc_stride=24, max_query_length=16,
+                                      say=lines.append)  # fmt: skip
+    assert train is None and len(evaluation) == len(dev)
+    windows = sum(len(item) for item in evaluation.by_example)
+    assert lines == [f"[dev] {windows} windows of {len(dev)} questions"]

@@ -139,3 +139,22 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
     assert c[0]["loss"] == pytest.approx(a[0]["loss"], rel=0.01)
     header = json.loads(two.read_text().splitlines()[0])
     assert header["world_size"] == 2
+
+
+def test_the_data_sets_and_options_are_library_code(tmp_path):
+    """What the script wires, reusable without it: the folder's sets with GluonCV's transforms,
+    the class check, the rgb parsing and the recipe's model options."""
+    from modelzoo.vision.recipe import ImageSetError, image_datasets, model_options, parse_rgb
+
+    root = _folder(tmp_path / "images", per_class=2)
+    mean, std = parse_rgb("123.68,116.779,103.939", "--rgb-mean"), (58.4, 57.1, 57.4)
+    train, val, classes = image_datasets("folder", data_dir=root, input_size=32, mean=mean, std=std)
+    assert classes == 2 and train.classes == val.classes == ["cat", "dog"]
+    image, target = train[0]
+    assert tuple(image.shape) == (3, 32, 32) and target == 0
+    with pytest.raises(ImageSetError, match="--num-classes 3 disagrees with the 2 class"):
+        image_datasets("folder", data_dir=root, input_size=32, mean=mean, std=std, num_classes=3)
+    with pytest.raises(ValueError, match="--rgb-std: expected three comma-separated numbers"):
+        parse_rgb("1,2", "--rgb-std")
+    assert model_options(last_gamma=True, final_drop=0.2) == {"last_gamma": True, "final_drop": 0.2}
+    assert model_options() == {}
