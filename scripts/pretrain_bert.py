@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import sys
@@ -47,15 +46,15 @@ import torch
 
 import modelzoo
 from modelzoo.convert.bert import save_hf_directory
-from modelzoo.nlp.bert import BertConfig, bert_from_checkpoint, build_bert
-from modelzoo.nlp.pretraining import (
-    InstanceConfig,
-    PretrainingCollate,
-    PretrainingShards,
-    ShardError,
-    corpus_vocabulary,
-    prepare_pretraining_data,
-    write_stdlib_corpus,
+from modelzoo.nlp.bert import bert_from_checkpoint
+from modelzoo.nlp.pretraining import PretrainingCollate, PretrainingShards, ShardError
+from modelzoo.nlp.pretraining.recipe import (
+    builtin_shards,
+    masked_lm_labels,
+    new_pretraining_bert,
+    recipe_tokenizer,
+    schedule_shape,
+    vocab_sha256,
 )
 from modelzoo.nlp.pretraining.task import (
     EMA_RATIOS,
@@ -65,8 +64,8 @@ from modelzoo.nlp.pretraining.task import (
     pipeline_inputs,
     train_step,
 )
-from modelzoo.nlp.tokenizer import BertTokenizer, get_tokenizer
-from modelzoo.store import ChecksumError, DownloadError, cache_root
+from modelzoo.nlp.tokenizer import BertTokenizer
+from modelzoo.store import ChecksumError, DownloadError
 from trainers import DistEnv, Trainer, make_header
 from trainers.claims import majority_level
 from trainers.cli import (
@@ -336,14 +335,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Data
+# Data and model: the flags -> modelzoo/nlp/pretraining/recipe.py
 # ---------------------------------------------------------------------------------------------
-
-
-def _cache_root(args: argparse.Namespace) -> Path:
-    if args.cache_dir:
-        return Path(args.cache_dir)
-    return cache_root() / "pretraining"
 
 
 def builtin_data(
@@ -354,69 +347,29 @@ def builtin_data(
     phases: Sequence[int] = (1, 2),
     splits: Sequence[str] = ("train", "dev"),
 ) -> dict[int, tuple[Path | None, Path | None]]:
-    """Train/dev shard directories of the stdlib-docstring corpus for each phase, made once
-    (under a file lock, so concurrent ranks build them once) and reused; only the ``splits``
-    asked for are made (``None`` for the others)."""
-    from filelock import FileLock
-
-    key = {
-        "python": sys.version.split()[0],
-        "vocab": hashlib.sha256("\n".join(tokenizer.convert_ids_to_tokens(range(len(tokenizer)))).encode()).hexdigest(),
-        "dupe_factor": args.dupe_factor,
-        "seed": args.data_seed,
-        "phases": {n: (getattr(args, f"phase{n}_max_seq_length"), getattr(args, f"phase{n}_max_predictions")) for n in (1, 2)},
-    }  # fmt: skip
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    root = _cache_root(args) / f"stdlib-{digest}"
-    root.parent.mkdir(parents=True, exist_ok=True)
-    out: dict[int, tuple[Path | None, Path | None]] = {}
-    with FileLock(str(root) + ".lock"):
-        corpus = {s: root / "corpus" / f"{s}.txt" for s in splits}
-        for split, path in corpus.items():
-            if not path.is_file():
-                stats = write_stdlib_corpus(path, split)
-                if env.is_main:
-                    print(f"wrote {path}: {stats}", flush=True)
-        for n in phases:
-            dirs: dict[str, Path | None] = {"train": None, "dev": None}
-            for split in splits:
-                directory = root / f"phase{n}-{split}"
-                if not (directory / "index.json").is_file():
-                    config = InstanceConfig(
-                        max_seq_length=getattr(args, f"phase{n}_max_seq_length"),
-                        max_predictions_per_seq=getattr(args, f"phase{n}_max_predictions"),
-                        dupe_factor=args.dupe_factor if split == "train" else 1,
-                        seed=args.data_seed + (0 if split == "train" else 1),
-                    )
-                    prepare_pretraining_data(
-                        [corpus[split]], directory, tokenizer, config, overwrite=True,
-                        progress=env.is_main and not args.no_progress,
-                    )  # fmt: skip
-                dirs[split] = directory
-            out[n] = (dirs["train"], dirs["dev"])
-    return out
+    """The built-in shards (:func:`~modelzoo.nlp.pretraining.recipe.builtin_shards`) of the
+    flags' phase shapes, made once and reused."""
+    shapes = {n: (getattr(args, f"phase{n}_max_seq_length"),
+                  getattr(args, f"phase{n}_max_predictions")) for n in (1, 2)}  # fmt: skip
+    return builtin_shards(
+        tokenizer, shapes, dupe_factor=args.dupe_factor, seed=args.data_seed,
+        cache_dir=args.cache_dir, phases=phases, splits=splits, verbose=env.is_main,
+        progress=env.is_main and not args.no_progress,
+    )  # fmt: skip
 
 
 def load_tokenizer(args: argparse.Namespace) -> BertTokenizer:
-    if args.vocab_file:
-        return BertTokenizer.from_file(args.vocab_file)
-    for n in args.phase_list:
-        data = getattr(args, f"phase{n}_data")
-        if data and (Path(data) / "vocab.txt").is_file():
-            return BertTokenizer.from_dir(data)
-    if args.phase1_model and (Path(args.phase1_model) / "vocab.txt").is_file():
-        return BertTokenizer.from_dir(args.phase1_model)
-    if not args.builtin:
+    tokenizer = recipe_tokenizer(
+        vocab_file=args.vocab_file,
+        data_dirs=[getattr(args, f"phase{n}_data") for n in args.phase_list],
+        phase1_model=args.phase1_model, builtin=args.builtin, corpus_vocab=args.corpus_vocab,
+        progress=not args.no_progress,
+    )  # fmt: skip
+    if tokenizer is None:
         raise SystemExit(
             "pretrain_bert.py: error: no vocab.txt beside the shards; pass --vocab-file"
         )
-    tokenizer = get_tokenizer("minilm_l6_h384", progress=not args.no_progress)
-    return corpus_vocabulary(tokenizer) if args.corpus_vocab else tokenizer
-
-
-def _vocab_sha(tokenizer: BertTokenizer) -> str:
-    tokens = tokenizer.convert_ids_to_tokens(range(len(tokenizer)))
-    return hashlib.sha256("\n".join(tokens).encode("utf-8")).hexdigest()
+    return tokenizer
 
 
 def load_phase_data(
@@ -431,7 +384,7 @@ def load_phase_data(
             if train is None:
                 raise SystemExit(f"pretrain_bert.py: error: --phase{n}_data is missing")
             dirs[n] = (train, getattr(args, f"phase{n}_eval_data"))
-    sha = _vocab_sha(tokenizer)
+    sha = vocab_sha256(tokenizer)
     out = {}
     for n in args.phase_list:
         train_dir, eval_dir = dirs[n]
@@ -480,44 +433,22 @@ def _trivial_level(args: argparse.Namespace, phase: int) -> dict[str, Any]:
         where = f"--phase{phase}-eval-data {dev_dir}"
         if dev_dir is None:
             raise SystemExit(f"the run evaluated no held-out data (--phase{phase}-eval-data)")
-    dev = PretrainingShards(dev_dir, vocab_sha256=_vocab_sha(tokenizer))
-    labels = []
-    for index in range(len(dev)):
-        record = dev[index]
-        labels.extend(record["masked_ids"][: int(record["num_masked"])].tolist())
+    dev = PretrainingShards(dev_dir, vocab_sha256=vocab_sha256(tokenizer))
     return majority_level(
-        labels, what=f"masked tokens of {where}", kind="best constant prediction",
+        masked_lm_labels(dev), what=f"masked tokens of {where}", kind="best constant prediction",
         name=lambda i: repr(tokenizer.convert_ids_to_tokens([int(i)])[0]),
     )  # fmt: skip
 
 
-# ---------------------------------------------------------------------------------------------
-# Model
-# ---------------------------------------------------------------------------------------------
-
-
 def new_model(args: argparse.Namespace, tokenizer: BertTokenizer) -> torch.nn.Module:
-    torch.manual_seed(args.seed)  # the same initial weights on every rank and every rerun
-    drop = dict(
-        hidden_dropout=args.dropout,
-        attention_dropout=args.dropout,
+    """A fresh model of the flags' size, the same initial weights on every rank and rerun."""
+    return new_pretraining_bert(
+        len(tokenizer), seed=args.seed, bert_model=args.bert_model, num_layers=args.num_layers,
+        hidden_size=args.hidden_size, num_heads=args.num_heads,
+        intermediate_size=args.intermediate_size,
+        max_position_embeddings=args.max_position_embeddings, dropout=args.dropout,
         initializer_range=args.initializer_range,
-    )
-    if args.bert_model:
-        entry = modelzoo.registry.get_model_entry(args.bert_model)
-        model = entry.builder(head="pretraining", vocab_size=len(tokenizer), **drop)
-    else:
-        config = BertConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=args.hidden_size,
-            num_layers=args.num_layers,
-            num_heads=args.num_heads,
-            intermediate_size=args.intermediate_size,
-            max_position_embeddings=args.max_position_embeddings,
-            **drop,
-        )
-        model = build_bert(config, head="pretraining")
-    return model
+    )  # fmt: skip
 
 
 def phase_model(
@@ -543,21 +474,12 @@ def phase_model(
 
 def _schedule(args: argparse.Namespace, phase: int, steps: int) -> LRSchedule:
     """The phase's lr schedule (``--lr-schedule``; formulas in ``trainers/schedules.py``)."""
-    base_lr = getattr(args, f"phase{phase}_lr")
-    warmup = getattr(args, f"phase{phase}_warmup_ratio")
-    if args.lr_schedule == "nvidia_poly_warmup":
-        shape: dict[str, float] = {"warmup_ratio": warmup}
-    elif args.lr_schedule == "gluonnlp":  # gluon-nlp's unrounded fractions
-        shape = {"warmup_ratio": warmup, "constant_ratio": args.const_ratio}
-    else:  # whole steps, rounded from the fractions
-        shape = {
-            "warmup_steps": round(steps * warmup),
-            "constant_steps": round(steps * args.const_ratio),
-        }
-    mode = "nvidia_poly_warmup" if args.lr_schedule == "nvidia_poly_warmup" else "warmup_const_poly"
-    return create_schedule(
-        mode, base_lr=base_lr, total_steps=steps, power=args.decay_power, **shape
-    )
+    mode, shape = schedule_shape(
+        args.lr_schedule, steps, warmup_ratio=getattr(args, f"phase{phase}_warmup_ratio"),
+        const_ratio=args.const_ratio,
+    )  # fmt: skip
+    return create_schedule(mode, base_lr=getattr(args, f"phase{phase}_lr"), total_steps=steps,
+                           power=args.decay_power, **shape)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

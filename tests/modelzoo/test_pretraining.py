@@ -303,6 +303,82 @@ def test_prepare_from_text_is_deterministic(tmp_path):
         assert set(tokens) - {tokenizer.cls_id, tokenizer.sep_id} <= known
 
 
+# ---- the recipe (modelzoo/nlp/pretraining/recipe.py) ---------------------------------------------
+def test_recipe_vocabulary_comes_from_the_first_source_that_has_one(tmp_path):
+    from modelzoo.nlp.pretraining.recipe import recipe_tokenizer, vocab_sha256
+
+    sources = {}
+    for name, extra in (("file", "fileword"), ("p1", "oneword"), ("p2", "twoword"),
+                        ("model", "modelword")):  # fmt: skip
+        (tmp_path / name).mkdir()
+        sources[name] = tmp_path / name
+        (sources[name] / "vocab.txt").write_text("\n".join([*SPECIALS, extra]) + "\n")
+
+    def last(**kwargs):
+        tok = recipe_tokenizer(**kwargs)
+        return None if tok is None else tok.convert_ids_to_tokens([len(tok) - 1])[0]
+
+    dirs = [None, sources["p2"]]
+    assert last(vocab_file=sources["file"] / "vocab.txt", data_dirs=dirs) == "fileword"
+    assert (
+        last(data_dirs=[sources["p1"], sources["p2"]], phase1_model=sources["model"]) == "oneword"
+    )
+    assert last(data_dirs=dirs, phase1_model=sources["model"]) == "twoword"
+    assert last(data_dirs=[tmp_path / "none"], phase1_model=sources["model"]) == "modelword"
+    assert last(data_dirs=[tmp_path / "none"], phase1_model=tmp_path / "none") is None
+    # the hash a shard index records for the vocabulary: shards of it open, others refuse it
+    tok = recipe_tokenizer(vocab_file=sources["file"] / "vocab.txt")
+    words = ["fileword"] * 9
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join("\n".join(" ".join(words) for _ in range(3)) for _ in range(6)))
+    config = InstanceConfig(max_seq_length=16, max_predictions_per_seq=3, seed=1)
+    prepare_pretraining_data([corpus], tmp_path / "s", tok, config, progress=False)
+    assert len(PretrainingShards(tmp_path / "s", vocab_sha256=vocab_sha256(tok))) > 0
+    other = recipe_tokenizer(vocab_file=sources["model"] / "vocab.txt")
+    with pytest.raises(ShardError, match="another vocabulary"):
+        PretrainingShards(tmp_path / "s", vocab_sha256=vocab_sha256(other))
+
+
+def test_masked_lm_labels_are_the_masked_tokens_written(tmp_path):
+    from modelzoo.nlp.pretraining.recipe import masked_lm_labels
+
+    instances = _instances(40)
+    config = InstanceConfig(max_seq_length=32, max_predictions_per_seq=5)
+    write_shards(instances, tmp_path / "d", vocab=VOCAB, config=config, instances_per_shard=16)
+    expected = [token for inst in instances for token in inst.masked_ids]
+    assert masked_lm_labels(PretrainingShards(tmp_path / "d")) == expected
+
+
+def test_schedule_shape_rounds_gluonnlp_keeps_fractions_nvidia_has_no_constant_phase():
+    from modelzoo.nlp.pretraining.recipe import schedule_shape
+
+    ratios = dict(warmup_ratio=0.05, const_ratio=0.25)
+    assert schedule_shape("warmup_const_poly", 782, **ratios) == (
+        "warmup_const_poly",
+        {"warmup_steps": 39, "constant_steps": 196},
+    )  # 39.1, 195.5
+    assert schedule_shape("gluonnlp", 782, **ratios) == (
+        "warmup_const_poly",
+        {"warmup_ratio": 0.05, "constant_ratio": 0.25},
+    )
+    assert schedule_shape("nvidia_poly_warmup", 782, warmup_ratio=0.1, const_ratio=0.0) == (
+        "nvidia_poly_warmup", {"warmup_ratio": 0.1})  # fmt: skip
+
+
+def test_new_pretraining_bert_is_the_same_for_the_same_seed():
+    from modelzoo.nlp.pretraining.recipe import new_pretraining_bert
+
+    shape = dict(num_layers=1, hidden_size=16, num_heads=2, intermediate_size=32,
+                 max_position_embeddings=40, dropout=0.0, initializer_range=0.5)  # fmt: skip
+    a, b = (new_pretraining_bert(50, seed=3, **shape) for _ in range(2))
+    c = new_pretraining_bert(50, seed=4, **shape)
+    assert (a.config.vocab_size, a.config.hidden_size, a.config.num_layers) == (50, 16, 1)
+    assert (a.config.max_position_embeddings, a.config.initializer_range) == (40, 0.5)
+    weights = a.state_dict()
+    assert all(torch.equal(t, b.state_dict()[k]) for k, t in weights.items())
+    assert not torch.equal(weights["mlm.dense.weight"], c.state_dict()["mlm.dense.weight"])
+
+
 # ---- export ------------------------------------------------------------------------------------
 def test_saved_model_is_a_hugging_face_bert(tmp_path):
     transformers = pytest.importorskip("transformers")
