@@ -18,10 +18,8 @@ __all__ = ["ResNetTrunk"]
 
 
 class ResNetTrunk(nn.Module):
-    """Base class of the ResNet-shaped classifiers (see the module docstring)."""
-
-    num_classes: int
-    num_features: int
+    """Base class of the ResNet-shaped classifiers (see the module docstring); subclasses
+    set ``num_classes`` and ``num_features`` (the classifier's input channels)."""
 
     def reset_parameters(self) -> None:
         """The initialization of the official ResNeSt, torchvision and timm: conv weights
