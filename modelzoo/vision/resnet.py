@@ -124,23 +124,7 @@ class ResNetV1b(ResNetTrunk):
         self.num_classes = num_classes
         self.avg_down = avg_down
         self.last_gamma = last_gamma
-        if deep_stem:
-            self.conv1: nn.Module = nn.Sequential(
-                nn.Conv2d(in_chans, stem_width, 3, stride=2, padding=1, bias=False),
-                nn.BatchNorm2d(stem_width),
-                nn.ReLU(inplace=True),
-                nn.Conv2d(stem_width, stem_width, 3, stride=1, padding=1, bias=False),
-                nn.BatchNorm2d(stem_width),
-                nn.ReLU(inplace=True),
-                nn.Conv2d(stem_width, stem_width * 2, 3, stride=1, padding=1, bias=False),
-            )
-            self.inplanes = stem_width * 2
-        else:
-            self.conv1 = nn.Conv2d(in_chans, 64, 7, stride=2, padding=3, bias=False)
-            self.inplanes = 64
-        self.bn1 = nn.BatchNorm2d(self.inplanes)
-        self.relu = nn.ReLU(inplace=True)
-        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        self._build_stem(in_chans, deep_stem=deep_stem, stem_width=stem_width)
         self.layer1 = self._make_layer(64, layers[0], stride=1)
         self.layer2 = self._make_layer(128, layers[1], stride=2)
         self.layer3 = self._make_layer(256, layers[2], stride=2)

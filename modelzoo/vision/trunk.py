@@ -21,6 +21,27 @@ class ResNetTrunk(nn.Module):
     """Base class of the ResNet-shaped classifiers (see the module docstring); subclasses
     set ``num_classes`` and ``num_features`` (the classifier's input channels)."""
 
+    def _build_stem(self, in_chans: int, *, deep_stem: bool, stem_width: int) -> None:
+        """``conv1`` (a 7x7 convolution, or with ``deep_stem`` three 3x3 ones ending at
+        ``2 x stem_width`` channels), ``bn1``, ``relu``, ``maxpool``; sets ``inplanes``."""
+        if deep_stem:
+            self.conv1: nn.Module = nn.Sequential(
+                nn.Conv2d(in_chans, stem_width, 3, stride=2, padding=1, bias=False),
+                nn.BatchNorm2d(stem_width),
+                nn.ReLU(inplace=True),
+                nn.Conv2d(stem_width, stem_width, 3, stride=1, padding=1, bias=False),
+                nn.BatchNorm2d(stem_width),
+                nn.ReLU(inplace=True),
+                nn.Conv2d(stem_width, stem_width * 2, 3, stride=1, padding=1, bias=False),
+            )
+            self.inplanes = stem_width * 2
+        else:
+            self.conv1 = nn.Conv2d(in_chans, 64, 7, stride=2, padding=3, bias=False)
+            self.inplanes = 64
+        self.bn1 = nn.BatchNorm2d(self.inplanes)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+
     def reset_parameters(self) -> None:
         """The initialization of the official ResNeSt, torchvision and timm: conv weights
         He-normal with fan-out, N(0, 2 / (k * k * out_channels)), conv biases 0, BN gamma 1 and
