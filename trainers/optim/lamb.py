@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import torch
 
+from . import _native
 from ._multi_tensor import (
     Bucket,
     LayerwiseAdaptiveOptimizer,
@@ -171,16 +172,6 @@ class Lamb(LayerwiseAdaptiveOptimizer):
         w, m, v = bucket.weights, bucket.exp_avgs, bucket.exp_avg_sqs
         work = self._scratch(bucket, 0)
         g = bucket.grads
-        if clip is not None:
-            if not bucket.grads_owned:  # the caller's .grad stays unclipped
-                torch._foreach_copy_(work, g)
-                g = work
-            torch._foreach_mul_(g, torch.reciprocal(clip))
-
-        torch._foreach_lerp_(m, g, 1.0 - beta1)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
-
         # Bias correction folded into two scalars: with bc_i = 1 - beta_i ** t,
         #   m^ / (sqrt(v^) + eps) = s * m / (sqrt(v) + eps * sqrt(bc2)),  s = sqrt(bc2) / bc1,
         # so u = s * (m / denom + (wd / s) * w) and the s cancels in the trust ratio.
@@ -190,14 +181,33 @@ class Lamb(LayerwiseAdaptiveOptimizer):
         else:
             bc1, bc2_sqrt = 1.0, 1.0
         s = bc2_sqrt / bc1
-        update = work  # the clipped gradient is not needed any more
-        torch._foreach_copy_(update, v)
-        torch._foreach_sqrt_(update)
-        torch._foreach_add_(update, eps if deepspeed else eps * bc2_sqrt)
-        torch._foreach_reciprocal_(update)
-        torch._foreach_mul_(update, m)  # m / denom
-        if wd != 0.0:
-            torch._foreach_add_(update, w, alpha=wd if deepspeed else wd / s)
+        eps_denom = eps if deepspeed else eps * bc2_sqrt
+        alpha = 0.0 if wd == 0.0 else (wd if deepspeed else wd / s)
+        update = work  # u = m / denom + alpha * w, built in the work buffer
+
+        if _native.available(g, w, m, v, work):  # the same bits in two passes (see _native)
+            scale = None if clip is None else torch.reciprocal(clip)
+            _native.moments_(g, m, v, beta1=beta1, beta2=beta2, scale=scale)
+            for vi, ui in zip(v, update, strict=True):
+                torch.sqrt(vi, out=ui)
+            _native.update_(update, m, w, eps=eps_denom, alpha_m=alpha)
+        else:
+            if clip is not None:
+                if not bucket.grads_owned:  # the caller's .grad stays unclipped
+                    torch._foreach_copy_(work, g)
+                    g = work
+                torch._foreach_mul_(g, torch.reciprocal(clip))
+            torch._foreach_lerp_(m, g, 1.0 - beta1)
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
+            # the clipped gradient is not needed any more: the work buffer takes the update
+            torch._foreach_copy_(update, v)
+            torch._foreach_sqrt_(update)
+            torch._foreach_add_(update, eps_denom)
+            torch._foreach_reciprocal_(update)
+            torch._foreach_mul_(update, m)  # m / denom
+            if alpha != 0.0:
+                torch._foreach_add_(update, w, alpha=alpha)
 
         if deepspeed or self._adapts(group, decays=wd != 0.0 or group["always_adapt"]):
             weight_norm = bucket.norms(w)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import torch
 
+from . import _native
 from ._multi_tensor import (
     Bucket,
     LayerwiseAdaptiveOptimizer,
@@ -152,16 +153,6 @@ class Lans(LayerwiseAdaptiveOptimizer):
         grad_norm = bucket.grad_norms()
         denom = grad_norm if mxnet else grad_norm + (eps if clip is None else clip * eps)
         inv_norm = torch.where(grad_norm > 0, torch.reciprocal(denom), 0.0)
-        g = bucket.grads
-        if not bucket.grads_owned:  # the caller's .grad stays as it is
-            g = self._scratch(bucket, 0)
-            torch._foreach_copy_(g, bucket.grads)
-        torch._foreach_mul_(g, inv_norm.unbind(0))
-
-        torch._foreach_lerp_(m, g, 1.0 - beta1)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
-
         # With bc_i = 1 - beta_i ** t and denom = sqrt(v) + eps * sqrt(bc2):
         #   u_m = sm * (m / denom + (wd / sm) * w),  sm = sqrt(bc2) / bc1
         #   u_c = sc * (g^ / denom + (wd / sc) * w), sc = sqrt(bc2)
@@ -170,14 +161,39 @@ class Lans(LayerwiseAdaptiveOptimizer):
         else:
             bc1, bc2_sqrt = 1.0, 1.0
         sm, sc = bc2_sqrt / bc1, bc2_sqrt
+        # g^ in place when the gradients are the optimizer's own copies, else in a work buffer
+        g = bucket.grads if bucket.grads_owned else self._scratch(bucket, 0)
         update_m = self._scratch(bucket, 1)
-        torch._foreach_copy_(update_m, v)
-        torch._foreach_sqrt_(update_m)
-        torch._foreach_add_(update_m, eps * bc2_sqrt)
-        torch._foreach_reciprocal_(update_m)  # 1 / denom
-        update_c = g  # g^ is not needed any more
-        torch._foreach_mul_(update_c, update_m)
-        torch._foreach_mul_(update_m, m)
+        update_c = g  # g^ is not needed after u_c
+        alpha_m = 0.0 if wd == 0.0 else wd / sm
+        alpha_c = 0.0 if wd == 0.0 else wd / sc
+        # MXNet's lans.py (sequential) adds u_c's weight decay after w has moved by u_m
+        alpha_c_now = 0.0 if sequential else alpha_c
+
+        if _native.available(bucket.grads, g, w, m, v, update_m):  # same bits, two passes
+            _native.moments_(bucket.grads, m, v, beta1=beta1, beta2=beta2, scale=inv_norm, out=g)
+            for vi, ui in zip(v, update_m, strict=True):
+                torch.sqrt(vi, out=ui)
+            _native.update_(
+                update_m, m, w, eps=eps * bc2_sqrt, alpha_m=alpha_m, grads=g, alpha_c=alpha_c_now
+            )
+        else:
+            if g is not bucket.grads:  # the caller's .grad stays as it is
+                torch._foreach_copy_(g, bucket.grads)
+            torch._foreach_mul_(g, inv_norm.unbind(0))
+            torch._foreach_lerp_(m, g, 1.0 - beta1)
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
+            torch._foreach_copy_(update_m, v)
+            torch._foreach_sqrt_(update_m)
+            torch._foreach_add_(update_m, eps * bc2_sqrt)
+            torch._foreach_reciprocal_(update_m)  # 1 / denom
+            torch._foreach_mul_(update_c, update_m)
+            torch._foreach_mul_(update_m, m)
+            if alpha_m != 0.0:
+                torch._foreach_add_(update_m, w, alpha=alpha_m)
+            if alpha_c_now != 0.0:
+                torch._foreach_add_(update_c, w, alpha=alpha_c_now)
 
         adapts = self._adapts(group, decays=True)
         bounds = dict(
@@ -187,14 +203,12 @@ class Lans(LayerwiseAdaptiveOptimizer):
         like = dict(device=grad_norm.device, dtype=grad_norm.dtype)  # fp64 for fp64 params
         coef_m = torch.full((len(w),), -lr * beta1 * sm, **like)
         coef_c = torch.full((len(w),), -lr * (1.0 - beta1) * sc, **like)
-        if wd != 0.0:
-            torch._foreach_add_(update_m, w, alpha=wd / sm)
         if adapts:
             coef_m.mul_(trust_ratio(weight_norm, bucket.norms(update_m).mul_(sm), **bounds))
         if sequential:  # MXNet's lans.py: u_c's weight decay sees the weight moved by u_m
             torch._foreach_addcmul_(w, update_m, coef_m.unbind(0))
-        if wd != 0.0:
-            torch._foreach_add_(update_c, w, alpha=wd / sc)
+        if sequential and alpha_c != 0.0:
+            torch._foreach_add_(update_c, w, alpha=alpha_c)
         if adapts:
             coef_c.mul_(trust_ratio(weight_norm, bucket.norms(update_c).mul_(sc), **bounds))
         if not sequential:
