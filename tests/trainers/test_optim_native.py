@@ -15,7 +15,8 @@ import torch
 from trainers.optim import Lamb, Lans, _native
 
 pytestmark = pytest.mark.skipif(
-    _native._lib() is None, reason="no C compiler: the torch path is the only one"
+    _native._lib() is None or not _native._TORCH_FMA,
+    reason="no C compiler, or torch's kernels below AVX2: the torch path is the only one",
 )
 
 SIZES = [1, 7, 15, 16, 17, 31, 33, 100, 1000, 4097, 40_000, 100_001, 262_147]
@@ -164,6 +165,9 @@ def test_optimizer_steps_equal_the_torch_path(cls, options, dtype, monkeypatch):
 
 
 def test_switch_off_leaves_the_torch_path(monkeypatch):
-    monkeypatch.setattr(_native, "_lib", lambda: None)
     a = torch.randn(4)
+    monkeypatch.setattr(_native, "_lib", lambda: None)
+    assert not _native.available([a], [a.clone()])
+    monkeypatch.undo()
+    monkeypatch.setattr(_native, "_TORCH_FMA", False)  # torch at its "DEFAULT" level
     assert not _native.available([a], [a.clone()])

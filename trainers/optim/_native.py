@@ -22,7 +22,8 @@ many sizes). The norms and the final ``w += r u`` stay torch's.
 
 Work is split over ``torch.get_num_threads()`` POSIX threads by element ranges across the
 tensors of a bucket: an element's arithmetic does not depend on the split. Only CPU float32
-tensors whose operands share one dense layout take this path; ``MODELZOO_OPTIM_NATIVE=0``
+tensors whose operands share one dense layout take this path, where torch's kernels run at
+the AVX2 or AVX-512 level (at its "DEFAULT" level torch does not fuse the multiply-adds); ``MODELZOO_OPTIM_NATIVE=0``
 or a missing C compiler leaves the torch path (warned once).
 """
 
@@ -154,6 +155,12 @@ _SIGNATURES = {
 }
 
 
+# torch's vectorized CPU kernels fuse lerp, addcmul and add-alpha into FMAs at the AVX2 and
+# AVX-512 levels; at the "DEFAULT" level (no SIMD) they round the product and the sum
+# separately, which these kernels do not reproduce: there the torch path runs.
+_TORCH_FMA = torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512"))
+
+
 def _lib() -> ctypes.CDLL | None:
     return load(
         "optim",
@@ -168,7 +175,12 @@ def available(*lists: Sequence[Tensor]) -> bool:
     """True when the parallel lists of tensors can go through these kernels: CPU float32,
     each tensor's operands one dense layout (same shape and strides), and the library built."""
     first = lists[0]
-    if not first or first[0].device.type != "cpu" or first[0].dtype != torch.float32:
+    if (
+        not _TORCH_FMA
+        or not first
+        or first[0].device.type != "cpu"
+        or first[0].dtype != torch.float32
+    ):
         return False
     for ts in zip(*lists, strict=True):
         t0 = ts[0]
