@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+import trainers.cross_processor
 from trainers.logs import PORTABLE_EXACT_PINS
 
 from ._scripts import ROOT, load_script
@@ -75,7 +76,8 @@ def test_a_traced_run_runs_under_the_overridden_pins(tmp_path, monkeypatch):
     turned back on by ``MODELZOO_PORTABLE=``: the trace's fingerprint shows both."""
     log = ROOT / "logs" / "linear_breast_cancer_lbfgs" / "seed0.jsonl"
     out = tmp_path / "trace.json.gz"
-    monkeypatch.setattr(cross_processor, "trace_path", lambda *a, **k: out)
+    # record_trace is trainers.cross_processor's (the script re-exports it): patch it there
+    monkeypatch.setattr(trainers.cross_processor, "trace_path", lambda *a, **k: out)
     cross_processor.record_trace(
         log, 1, sys.executable, portable=True, pins={"MODELZOO_PORTABLE": ""}
     )
@@ -86,7 +88,7 @@ def test_a_traced_run_runs_under_the_overridden_pins(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_processor_trace_is_also_a_pair(tmp_path, monkeypatch):
+def test_a_processor_trace_is_also_a_pair(tmp_path):
     """--add-trace reruns a whole log made on another processor model: it writes this model's
     trace and records the comparison as a pair (whole log, every record), identical or not."""
     from .test_portable_mode import ELSEWHERE, _linear_log
@@ -99,10 +101,8 @@ def test_a_processor_trace_is_also_a_pair(tmp_path, monkeypatch):
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
     results, doc = tmp_path / "pairs.json", tmp_path / "doc.md"
     doc.write_text(f"x\n{cross_processor.START}{cross_processor.END}\ny\n")
-    monkeypatch.setattr(cross_processor, "RESULTS", results)
-    monkeypatch.setattr(cross_processor, "DOC", doc)
 
-    out = cross_processor.add_trace(log, sys.executable)
+    out = cross_processor.add_trace(log, sys.executable, results=results, doc=doc)
     assert out is not None and out.is_file()
     (pair,) = json.loads(results.read_text())["pairs"]
     assert pair["complete"] and pair["records_compared"] == len(records) - 1

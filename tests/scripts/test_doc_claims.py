@@ -178,7 +178,7 @@ def test_an_unknown_recipe_or_field_or_a_broken_marker_is_refused(
     assert err.startswith(f"publish.py: error: {message}") and err.count("\n") == 1, err
     assert (root / "docs" / "page.md").read_text() == text  # nothing written
     with pytest.raises(ClaimsError, match="page.md:2"):
-        publish.doc_problems(load_claims(claims))
+        publish.doc_problems(load_claims(claims), root / "docs", root=root)
 
 
 def test_a_mutated_marker_in_the_real_docs_fails_the_check_naming_its_line(tmp_path):

@@ -247,11 +247,11 @@ def test_check_finds_a_tampered_claim_and_a_stale_docs_table(fake_repo, tmp_path
         "<!-- /claims -->\nafter\nIt ends at <!--claim fake mean-->90.50 %<!--/claim-->.\n"
     )
     (docs / "page.md").write_text(text)
-    assert publish.check(claims, docs) == []
+    assert publish.check(claims, docs, root=fake_repo) == []
     data = json.loads(claims.read_text())
     data["recipes"]["fake"]["mean"] = 0.99
     claims.write_text(json.dumps(data))
-    problems = publish.check(claims, docs)
+    problems = publish.check(claims, docs, root=fake_repo)
     assert any("fake: mean is 0.99, the logs give" in p for p in problems)
     assert any("claims tables out of date" in p for p in problems)
     # the inline marker (docs/run_logs.md) too, by file, line, recipe and field
