@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -377,6 +378,203 @@ def test_new_pretraining_bert_is_the_same_for_the_same_seed():
     weights = a.state_dict()
     assert all(torch.equal(t, b.state_dict()[k]) for k, t in weights.items())
     assert not torch.equal(weights["mlm.dense.weight"], c.state_dict()["mlm.dense.weight"])
+
+
+# ---- the phases (modelzoo/nlp/pretraining/phases.py) ---------------------------------------------
+def _phases(changes=None):
+    """Phases 1 and 2 with the defaults, but for ``changes`` (phase -> settings)."""
+    from modelzoo.nlp.pretraining.phases import PHASE_DEFAULTS, Phase
+
+    return [Phase(n, **{**PHASE_DEFAULTS[n], **(changes or {}).get(n, {})}) for n in (1, 2)]
+
+
+def test_plan_phases_fills_the_defaults_and_names_the_flag_it_refuses():
+    from modelzoo.nlp.pretraining.phases import PhaseConfigError, plan_phases
+
+    plan = plan_phases("2,1", _phases({2: {"lr": 0.01}}), data={}, optimizer="lamb")
+    assert (plan.order, plan.lr, plan.const_ratio, plan.decay_power) == ([1, 2], 5e-3, 0.25, 1.0)
+    assert (plan.phases[1].lr, plan.phases[2].lr, plan.builtin) == (5e-3, 0.01, True)
+    plan = plan_phases("1", _phases(), data={1: "shards"}, optimizer="adamw",
+                       lr_schedule="nvidia_poly_warmup", max_position_embeddings=16)  # fmt: skip
+    assert (plan.lr, plan.const_ratio, plan.decay_power, plan.builtin) == (1e-4, 0, 0.5, False)
+    assert plan_phases("2", _phases(), data={}, optimizer="lans", resume=True).order == [2]
+    refused = {
+        "--phases must be 1, 2 or 1,2, got '3'": dict(phases="3"),
+        "--phases must be 1, 2 or 1,2, got 'x'": dict(phases="x"),
+        "--phases must be 1, 2 or 1,2, got ' , '": dict(phases=" , "),
+        "--lr-schedule nvidia_poly_warmup has no constant phase: drop --const-ratio": dict(
+            lr_schedule="nvidia_poly_warmup", const_ratio=0.25),
+        "--decay-power must be positive, got 0.0": dict(decay_power=0.0),
+        "--phase2-accumulate must be >= 1": dict(settings=_phases({2: {"accumulate": 0}})),
+        "--phase1-warmup-ratio + --const-ratio must be in [0, 1]": dict(
+            settings=_phases({1: {"warmup_ratio": 0.8}})),
+        "--phase2-max-seq-length exceeds --max-position-embeddings 256": dict(
+            max_position_embeddings=256),
+        "--plan places one phase": dict(plan=True),
+        "--phases 2 needs --phase1-model DIR": dict(phases="2"),
+    }  # fmt: skip
+    for message, changes in refused.items():
+        kwargs = {"phases": "1,2", "settings": _phases(), "data": {}, "optimizer": "lans",
+                  **changes}  # fmt: skip
+        with pytest.raises(PhaseConfigError, match="^" + re.escape(message)):
+            plan_phases(kwargs.pop("phases"), kwargs.pop("settings"), **kwargs)
+    # shards named for the phase: their length is checked when they are opened, not here
+    named = {1: "a", 2: "b"}
+    assert not plan_phases("1,2", _phases(), data=named, optimizer="lans",
+                           max_position_embeddings=8).builtin  # fmt: skip
+
+
+def test_check_sources_names_the_missing_or_wrong_thing(tmp_path):
+    from modelzoo.nlp.pretraining.phases import PhaseConfigError, check_sources
+
+    check_sources(bert_model="bert_12_768_12", phase1_model=tmp_path)
+    for kwargs, message in (
+        ({"bert_model": "resnest14"}, "--bert-model resnest14 is not a BERT; choose one of "),
+        ({"bert_model": "bert_x"}, r"--bert-model bert_x: Unknown model 'bert_x'; did you mean"),
+        ({"phase1_model": tmp_path / "no"}, r"no such directory \(phase 1 saves"),
+        ({"vocab_file": tmp_path / "v.txt"}, "--vocab-file .*v.txt: no such file"),
+    ):
+        with pytest.raises(PhaseConfigError, match=message):
+            check_sources(**kwargs)
+
+
+def test_phase_epochs_are_the_passes_of_whole_steps():
+    from modelzoo.nlp.pretraining.phases import PhaseDataError, phase_epochs
+
+    assert phase_epochs(1, 100, steps=7, global_batch=30) == 3  # 3 steps a pass
+    assert phase_epochs(2, 100, steps=6, global_batch=30) == 2
+    assert phase_epochs(1, 30, steps=1, global_batch=30) == 1
+    with pytest.raises(PhaseDataError, match=r"^phase 2: 29 instances are fewer than one global "
+                       r"batch of 30 \(batch x accumulate x workers\)$"):  # fmt: skip
+        phase_epochs(2, 29, steps=1, global_batch=30)
+
+
+def test_phase_shards_and_sources(tmp_path):
+    from modelzoo.nlp.pretraining.phases import PhaseDataError, PhaseSources, open_phase_shards
+    from modelzoo.nlp.pretraining.recipe import masked_lm_labels
+    from modelzoo.nlp.tokenizer import BertTokenizer
+
+    config = InstanceConfig(max_seq_length=32, max_predictions_per_seq=5)
+    for name, seed in (("train", 5), ("dev", 6)):
+        write_shards(_instances(40, seed), tmp_path / name, vocab=VOCAB, config=config)
+    (tmp_path / "train" / "vocab.txt").write_text("\n".join(TOKENS) + "\n")
+    tok = BertTokenizer({t: i for i, t in enumerate(TOKENS)})
+    data = open_phase_shards({1: (tmp_path / "train", tmp_path / "dev")}, tok,
+                             max_position_embeddings=32)  # fmt: skip
+    assert [len(data[1][0]), len(data[1][1])] == [40, 40]
+    refused = {
+        "^--phase2_data is missing$": {1: (tmp_path / "nope", None), 2: (None, None)},
+        "nope.*index.json.*prepare_bert_data": {1: (tmp_path / "nope", None)},
+    }
+    for message, dirs in refused.items():
+        with pytest.raises(PhaseDataError, match=message):
+            open_phase_shards(dirs, tok)
+    with pytest.raises(PhaseDataError, match="has 32-token instances, more than --max-position-e"):
+        open_phase_shards({1: (tmp_path / "train", None)}, tok, max_position_embeddings=31)
+    other = BertTokenizer({t: i for i, t in enumerate(SPECIALS)})
+    with pytest.raises(PhaseDataError, match="another vocabulary"):
+        open_phase_shards({1: (tmp_path / "train", None)}, other)
+
+    sources = PhaseSources([1], {1: (tmp_path / "train", None)}, {1: (32, 5), 2: (64, 10)})
+    assert not sources.builtin and len(sources.tokenizer()) == len(TOKENS)
+    assert list(sources.open(sources.tokenizer())) == [1]
+    with pytest.raises(PhaseDataError, match=r"no held-out data \(--phase1-eval-data\)"):
+        sources.heldout_labels(1)
+    sources = PhaseSources([1], {1: (tmp_path / "train", tmp_path / "dev")}, {1: (32, 5)})
+    labels, what, name = sources.heldout_labels(1)
+    assert labels == masked_lm_labels(PretrainingShards(tmp_path / "dev"))
+    assert what == f"masked tokens of --phase1-eval-data {tmp_path / 'dev'}"
+    assert name(WORD0) == "'w0'"
+    assert sources.heldout_labels(1)[0] is labels  # read once
+    (tmp_path / "train" / "vocab.txt").unlink()
+    with pytest.raises(PhaseDataError, match="no vocab.txt beside the shards; pass --vocab-file"):
+        PhaseSources([1], {1: (tmp_path / "train", None)}, {}).tokenizer()
+    assert PhaseSources([2], {1: (tmp_path / "train", None)}, {}).builtin  # phase 2 names none
+
+
+def test_phase_chain_skips_finished_phases_limits_steps_and_hands_over(tmp_path):
+    from modelzoo.convert.bert import save_hf_directory
+    from modelzoo.nlp.bert import BertConfig, build_bert
+    from modelzoo.nlp.pretraining.phases import PhaseChain, PhaseModelError
+    from modelzoo.nlp.tokenizer import BertTokenizer
+
+    phases = _phases({1: {"steps": 4}, 2: {"steps": 3}})
+    chain = PhaseChain(tmp_path, max_steps=6)
+    assert [chain.limit(4), chain.save_dir(2), chain.model_dir(1)] == [
+        4, tmp_path / "phase2", tmp_path / "phase1" / "model"]  # fmt: skip
+    with pytest.raises(PhaseModelError, match="^phase 2 starts from phase 1's model, but None "):
+        chain.start_model(8)
+    run = []
+    for phase in chain.pending(phases):
+        run.append((phase.number, chain.limit(phase.steps)))
+        chain.end_phase(phase.number, chain.limit(phase.steps), saved=phase.number == 1)
+    assert run == [(1, 4), (2, 2)] and chain.done == 6 and chain.previous == chain.model_dir(1)
+    # max_steps ended phase 1: phase 2 does not start
+    chain, run = PhaseChain(tmp_path, max_steps=3), []
+    for phase in chain.pending(phases):
+        run.append(phase.number)
+        chain.end_phase(phase.number, 3, saved=False)
+    assert run == [1] and chain.done == 3 and chain.previous is None
+    # resumed: phase 1's model is saved, so it counts as done and phase 2 starts from it
+    tokenizer = BertTokenizer({t: i for i, t in enumerate(SPECIALS + ["a", "b", "c"])})
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=16, num_layers=1, num_heads=2,
+                        intermediate_size=32, max_position_embeddings=16)  # fmt: skip
+    save_hf_directory(build_bert(config, head="pretraining"), tokenizer, chain.model_dir(1))
+    (tmp_path / "phase2").mkdir()
+    (tmp_path / "phase2" / "latest.pt").write_bytes(b"")
+    assert PhaseChain(tmp_path).checkpoint(2) is None  # not resuming
+    chain = PhaseChain(tmp_path, resuming=True, max_steps=5)
+    said = []
+    assert [p.number for p in chain.pending(phases, info=said.append)] == [2]
+    assert said == [f"[Phase 1] already finished: {tmp_path / 'phase1' / 'model'}"]
+    assert (chain.done, chain.limit(3)) == (4, 1)
+    assert chain.checkpoint(2) == tmp_path / "phase2" / "latest.pt"
+    assert chain.start_model(len(tokenizer)).config.vocab_size == len(tokenizer)
+    with pytest.raises(PhaseModelError, match="has a 8-token vocabulary, the data 9$"):
+        chain.start_model(9)
+    # phase 2 alone starts from --phase1-model
+    alone = PhaseChain(tmp_path / "other", phase1_model=chain.model_dir(1))
+    assert alone.start_model(len(tokenizer)).config.hidden_size == 16
+
+
+def test_fit_phase_evaluates_the_start_and_the_end_once():
+    from modelzoo.nlp.pretraining.task import EvalTracker, fit_phase
+
+    class Trainer:  # what fit_phase asks of the trainer
+        global_step, epoch = 0, 0
+
+        def __init__(self, evaluates_last: bool) -> None:
+            self.evaluates_last, self.calls = evaluates_last, []
+
+        def evaluate(self, dev, collate, remember=False):
+            self.calls.append(("evaluate", self.global_step, remember))
+            return {"mlm_accuracy": 0.5}
+
+        def fit(self, train, eval_dataset, collate_fn):
+            self.calls.append(("fit",))
+            self.global_step, self.epoch = 5, 1
+            if self.evaluates_last:
+                tracker.on_eval_end(self, {})
+
+    class EMA:
+        def evaluate_and_log(self, trainer):
+            trainer.calls.append(("ema", trainer.global_step))
+
+    for first, evaluates_last, dev, expected in (
+        (True, False, "dev", [("evaluate", 0, False), ("fit",), ("evaluate", 5, True), ("ema", 5)]),
+        (False, True, "dev", [("fit",)]),
+        (True, False, None, [("fit",)]),
+    ):
+        trainer, tracker, logged = Trainer(evaluates_last), EvalTracker(), []
+
+        def log_eval(*, epoch, step, logged=logged, **metrics):
+            logged.append((epoch, step, metrics))
+
+        fit_phase(trainer, "train", dev, list, tracker=tracker, log_eval=log_eval, first=first,
+                  ema=EMA())  # fmt: skip
+        assert trainer.calls == expected
+        evaluated = [c[1] for c in expected if c[0] == "evaluate"]
+        assert logged == [(step // 5, step, {"mlm_accuracy": 0.5}) for step in evaluated]
 
 
 # ---- export ------------------------------------------------------------------------------------

@@ -169,12 +169,15 @@ def test_logged_accuracy_matches_hugging_face_on_the_saved_model(work):
 
 def test_phase_two_starts_from_phase_one(work):
     script = work["script"]
+    from modelzoo.nlp.pretraining.phases import PhaseChain
     from modelzoo.nlp.tokenizer import BertTokenizer
     from trainers.checkpoint import load_checkpoint
 
     args = script.parse_args(work["base"])
     tokenizer = BertTokenizer.from_dir(work["full"] / "phase1" / "model")
-    model = script.phase_model(args, 2, tokenizer, work["full"] / "phase1" / "model")
+    chain = PhaseChain(work["full"], resuming=True)  # the full run: phase 1 saved its model
+    assert chain.finished(1, 4) and chain.done == 4
+    model = chain.start_model(len(tokenizer))
     end_of_phase1 = load_checkpoint(work["full"] / "phase1" / "latest.pt")
     assert end_of_phase1["step"] == 4
     expected = end_of_phase1["model"]

@@ -1,8 +1,8 @@
 """The BERT pretraining recipe's data and model, as ``scripts/pretrain_bert.py`` wires them:
 the built-in shards of the stdlib-docstring corpus (made once, cached), the vocabulary a run
 uses and its hash (what shard indexes record), the masked-LM labels of held-out shards (the
-trivial level of a run's claims), a fresh BERT with its pretraining heads, and the phases'
-learning-rate schedule shapes (``--lr-schedule``).
+trivial level of a run's claims), a fresh BERT with its pretraining heads, the phases'
+learning-rate schedule shapes (``--lr-schedule``), and the exported artifact.
 
 Split out of the script so that other code (notebooks, other recipes, the trivial levels of
 ``scripts/publish.py``) builds the same data and model; nothing here imports ``trainers``
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ...artifact import save_artifact
 from ...registry import get_model_entry
 from ...store import cache_root
 from ..bert import BertConfig, build_bert
@@ -42,6 +44,7 @@ __all__ = [
     "masked_lm_labels",
     "new_pretraining_bert",
     "recipe_tokenizer",
+    "save_pretraining_artifact",
     "schedule_shape",
     "vocab_sha256",
 ]
@@ -236,3 +239,24 @@ def schedule_shape(
         }
     mode = "nvidia_poly_warmup" if lr_schedule == "nvidia_poly_warmup" else "warmup_const_poly"
     return mode, shape
+
+
+def save_pretraining_artifact(
+    directory: str | os.PathLike[str],
+    model: torch.nn.Module,
+    tokenizer: BertTokenizer,
+    *,
+    model_name: str,
+    metrics: Mapping[str, Any],
+    source: Mapping[str, Any],
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> Path:
+    """The artifact folder of a pretrained BERT with its masked-LM and next-sentence heads
+    (task ``fill-mask``): the model (or ``state_dict``'s weights, e.g. an EMA's) and its
+    vocabulary; ``modelzoo.get_model(directory)`` loads it, ``finetune_squad.py`` fine-tunes it.
+    """
+    return save_artifact(
+        directory, model, model_name=model_name, model_kwargs={"head": "pretraining"},
+        task="fill-mask", tokenizer=tokenizer, metrics=metrics, source=source,
+        state_dict=state_dict,
+    )  # fmt: skip

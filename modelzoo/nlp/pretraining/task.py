@@ -1,5 +1,6 @@
 """BERT pretraining as a task: the masked-LM and next-sentence sums a step returns, the
-ratios the run log shows, the loss, and the model's inputs under pipeline parallelism.
+ratios the run log shows, the loss, the model's inputs under pipeline parallelism, and a
+phase's fit with the held-out evaluations of its curves (:func:`fit_phase`).
 
 What ``scripts/pretrain_bert.py`` trains with; the trainer is duck-typed (nothing here
 imports ``trainers``).
@@ -7,6 +8,7 @@ imports ``trainers``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,6 +19,7 @@ __all__ = [
     "RATIOS",
     "EvalTracker",
     "eval_step",
+    "fit_phase",
     "pipeline_inputs",
     "pretraining_sums",
     "train_step",
@@ -81,3 +84,31 @@ class EvalTracker:
 
     def on_eval_end(self, trainer: Any, metrics: dict[str, float]) -> None:
         self.step = trainer.global_step
+
+
+def fit_phase(
+    trainer: Any,
+    train: Any,
+    dev: Any | None,
+    collate: Callable[[list[Any]], Any],
+    *,
+    tracker: EvalTracker,
+    log_eval: Callable[..., None],
+    first: bool,
+    ema: Any | None = None,
+) -> None:
+    """One phase's ``trainer.fit(train)`` with the held-out (``dev``) evaluations its curves
+    need, each written with ``log_eval(epoch=, step=, **metrics)``: the model it starts from
+    (``first``: the run's first phase, when it starts at step 0), and the model it ends with
+    when ``fit`` did not evaluate that step (``tracker``: the hook that saw the latest
+    evaluation), then ``ema``'s weights (``ema.evaluate_and_log(trainer)``)."""
+    if dev is not None and first and trainer.global_step == 0:
+        metrics = trainer.evaluate(dev, collate)  # the starting point of the curves
+        tracker.step = 0
+        log_eval(epoch=0, step=0, **metrics)
+    trainer.fit(train, eval_dataset=dev, collate_fn=collate)
+    if dev is not None and tracker.step != trainer.global_step:
+        metrics = trainer.evaluate(dev, collate, remember=True)
+        log_eval(epoch=trainer.epoch, step=trainer.global_step, **metrics)
+        if ema is not None:
+            ema.evaluate_and_log(trainer)  # the phase's EMA weights, ema_ metrics
