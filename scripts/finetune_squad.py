@@ -39,28 +39,20 @@ from typing import Any
 
 import torch
 
-import modelzoo
 from modelzoo.convert.bert import save_hf_directory
-from modelzoo.nlp.bert import BertForQuestionAnswering, set_dropout
 from modelzoo.nlp.squad import SquadFormatError, SquadSet
 from modelzoo.nlp.squad_recipe import (
-    NAMED_VERSIONS,
-    MissingVocabularyError,
-    SquadFetchError,
-    build_qa_model,
-    build_qa_tokenizer,
-    load_squad_sets,
-    save_qa_artifact,
-    squad_windows,
+    BUILTIN_DEFAULTS,
+    DATASETS,
+    SQUAD_DEFAULTS,
+    SquadOptionError,
+    SquadRecipe,
+    held_out_report,
+    resolve_squad_dataset,
+    squad_defaults,
+    untrained_f1_level,
 )
-from modelzoo.nlp.squad_task import (
-    Collate,
-    PredictionFiles,
-    SquadTask,
-    TrainFeatures,
-    pipeline_inputs,
-)
-from modelzoo.nlp.tokenizer import BertTokenizer
+from modelzoo.nlp.squad_task import Collate, PredictionFiles, TrainFeatures, pipeline_inputs
 from modelzoo.store import ChecksumError, DownloadError
 from trainers import DistEnv, RunLogger, Trainer, make_header
 from trainers.checkpoint import load_checkpoint
@@ -93,64 +85,10 @@ from trainers.errors import UsageError
 from trainers.logs import gluonnlp_step_line
 from trainers.schedules import LinearWarmupRatio
 
-# What a newcomer gets with no data flags: MiniLM on the built-in stdlib set, CPU-sized.
-BUILTIN_DEFAULTS = dict(
-    bert_model="minilm_l6_h384",
-    max_seq_length=128,
-    doc_stride=64,
-    max_query_length=32,
-    batch_size=16,
-    test_batch_size=32,
-    epochs=2,
-    lr=1e-4,
-    log_interval=5,
-)
-SQUAD_DEFAULTS = dict(
-    bert_model="bert_12_768_12",
-    max_seq_length=384,
-    doc_stride=128,
-    max_query_length=64,
-    batch_size=12,
-    test_batch_size=24,
-    epochs=2,
-    lr=3e-5,
-    log_interval=50,
-)
-
-
-#: ``--dataset`` names: the built-in set, and SQuAD's official files by version.
-DATASETS = ("stdlib", *NAMED_VERSIONS)
 # GluonNLP's finetune_squad.py reads SQuAD v1.1 by name (gluonnlp.data.SQuAD) when given no
 # files, and every SQuAD command it publishes carries its --gpu; no command of this project
 # needs --gpu, so a command with it and no files gets GluonNLP's data set, not the built-in one.
 GLUONNLP_MARKERS = {"mxnet_gpu": "--gpu"}
-
-
-def resolve_dataset(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Sets ``args.dataset`` (stdlib, squad1.1, squad2.0 or files) and ``args.dataset_by``
-    (what chose it), and ``args.version_2`` for squad2.0; refuses contradictions."""
-    files = args.train_file is not None or args.predict_file is not None
-    named, by = args.dataset, "--dataset"
-    gluonnlp = [flag for dest, flag in GLUONNLP_MARKERS.items()
-                if getattr(args, dest, None) not in (None, False)]  # fmt: skip
-    if named == "stdlib" and (files or args.version_2):
-        p.error(
-            "--dataset stdlib is the built-in SQuAD 1.1-format set; drop --train-file, "
-            "--predict-file and --version-2, or name --dataset squad1.1 / squad2.0"
-        )
-    if named is None and not files:
-        if args.version_2:
-            named, by = "squad2.0", "--version-2"
-        elif gluonnlp:
-            named, by = "squad1.1", f"{gluonnlp[0]}: a GluonNLP command, GluonNLP's data set"
-        else:
-            named, by = "stdlib", "no data flags"
-    if named == "squad1.1" and args.version_2:
-        p.error("--dataset squad1.1 and --version-2 contradict: SQuAD 2.0 is --dataset squad2.0")
-    if named == "squad2.0":
-        args.version_2 = True
-    args.dataset = named or "files"
-    args.dataset_by = by if named else "--train-file/--predict-file"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -275,35 +213,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           "with SQuAD's files (--dataset squad*, --train-file)": SQUAD_DEFAULTS})  # fmt: skip
     args = p.parse_args(argv)
 
-    resolve_dataset(p, args)
-    builtin = args.dataset == "stdlib"
-    named = args.dataset in NAMED_VERSIONS
-    defaults = BUILTIN_DEFAULTS if builtin else SQUAD_DEFAULTS
-    defaulted = {key for key in defaults if getattr(args, key) is None}
-    for key in defaulted:
-        setattr(args, key, defaults[key])
-    if "bert_model" in defaulted and not builtin:  # a 440 MB download: say which and why
-        print(f"note: --bert-model {args.bert_model}, the default with SQuAD's files (the "
-              f"built-in set's is {BUILTIN_DEFAULTS['bert_model']})", file=sys.stderr)  # fmt: skip
+    # The data set (stdlib, squad1.1, squad2.0 or files), what chose it, and --version-2.
+    gluonnlp = [flag for dest, flag in GLUONNLP_MARKERS.items()
+                if getattr(args, dest, None) not in (None, False)]  # fmt: skip
+    try:
+        args.dataset, args.dataset_by, args.version_2 = resolve_squad_dataset(
+            args.dataset, train_file=args.train_file, predict_file=args.predict_file,
+            version_2=args.version_2, gluonnlp_flag=gluonnlp[0] if gluonnlp else None,
+        )  # fmt: skip
+    except SquadOptionError as err:
+        p.error(str(err))
+    defaults, note = squad_defaults(args.dataset, vars(args))
+    for key, value in defaults.items():
+        setattr(args, key, value)
+    if note:  # a 440 MB download: say which and why
+        print(note, file=sys.stderr)
     p.check(args, bounds=BOUNDS)
-    if args.max_seq_length <= args.max_query_length + 3:
-        p.error(
-            f"--max-seq-length ({args.max_seq_length}) must be greater than --max-query-length "
-            f"({args.max_query_length}) + 3"
-        )
-    if args.only_predict and not (builtin or named) and args.predict_file is None:
-        p.error("--only-predict needs --predict-file (or --dataset squad1.1/squad2.0)")
-    if not args.only_predict and not (builtin or named) and args.train_file is None:
-        p.error("training needs --train-file or --dataset squad1.1/squad2.0 (or --only-predict)")
-    for flag, value in (("--pretrained-bert-parameters", args.pretrained_bert_parameters),
-                        ("--model-parameters", args.model_parameters)):  # fmt: skip
-        if value and not Path(value).exists():
-            p.error(f"{flag} {value}: no such file or directory")
-    split = [f for f, on in (("--tensor-parallel", args.tensor_parallel not in (None, 1)),
-                             ("--pipeline-parallel", args.pipeline_parallel not in (None, 1)),
-                             ("--plan", bool(args.plan))) if on]  # fmt: skip
-    if args.unpad and split:
-        p.error(f"--unpad does not run on a model split by {split[0]}; drop one of the two")
+    try:
+        SquadRecipe.from_options(vars(args)).check_options(
+            tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
+            plan=args.plan,
+        )  # fmt: skip
+    except SquadOptionError as err:
+        p.error(str(err))
     return p.finish(args)
 
 
@@ -317,81 +249,33 @@ BOUNDS = {
 
 def check_args(args: argparse.Namespace) -> None:
     """What the flags name exists, before any work: ``--bert-model`` is a zoo BERT, the
-    ``--train-file``/``--predict-file`` the run reads are files.
+    ``--train-file``/``--predict-file`` the run reads are files (:meth:`SquadRecipe.check_inputs`).
 
     Raises:
         UsageError: naming the flag and what to do.
     """
-    read = [("--predict-file", args.predict_file)]
-    read += [] if args.only_predict else [("--train-file", args.train_file)]
-    for flag, value in read:
-        if value and not Path(value).is_file():
-            raise UsageError(f"{flag} {value}: no such file (give a SQuAD-format .json file, "
-                             "or --dataset squad1.1/squad2.0 to fetch the official ones)")  # fmt: skip
-    name = args.bert_model
     try:
-        modality = modelzoo.registry.model_modality(name)
-    except ValueError as err:
-        raise UsageError(f"--bert-model {name}: {err}") from None
-    if modality != "text":
-        berts = ", ".join(modelzoo.list_models(modality="text"))
-        raise UsageError(f"--bert-model {name} is not a BERT; choose one of {berts}")
+        SquadRecipe.from_options(vars(args)).check_inputs()
+    except SquadOptionError as err:
+        raise UsageError(str(err)) from None
 
 
 def load_sets(
     args: argparse.Namespace, logger: RunLogger | None = None
 ) -> tuple[SquadSet | None, SquadSet | None]:
     """The training and evaluation sets of ``args.dataset``, saying in one line which data
-    (:func:`modelzoo.nlp.squad_recipe.load_squad_sets`).
+    (:meth:`SquadRecipe.load_sets`).
 
     Raises:
-        UsageError: A named file cannot be fetched: no network, ``MODELZOO_OFFLINE=1``, or
-            bytes that are not the published file (the store's message names the file, its
-            URL and where to put it).
+        UsageError: A named file cannot be fetched (no network, ``MODELZOO_OFFLINE=1``, or
+            bytes that are not the published file).
     """
     try:
-        return load_squad_sets(
-            args.dataset, train_file=args.train_file, predict_file=args.predict_file,
-            version_2=args.version_2, only_predict=args.only_predict,
-            skip_bad=args.skip_bad_examples, data_dir=args.data_dir,
-            progress=not args.no_progress, chosen_by=args.dataset_by,
-            say=logger.info if logger is not None else None,
-        )  # fmt: skip
-    except SquadFetchError as exc:
-        raise UsageError(
-            f"{args.dataset} ({args.dataset_by}) needs its {exc.split} file: {exc.cause} "
-            "Without the network, --dataset stdlib trains on the built-in set."
-        ) from None
-
-
-def build_model(args: argparse.Namespace, logger: RunLogger, progress: bool) -> torch.nn.Module:
-    model = build_qa_model(
-        args.bert_model, pretrained_parameters=args.pretrained_bert_parameters,
-        fine_tuned_parameters=args.model_parameters, weights=args.bert_weights,
-        progress=progress, load_state=load_checkpoint, say=logger.info,
-    )  # fmt: skip
-    if not isinstance(model, BertForQuestionAnswering):
-        raise SystemExit(f"--bert-model {args.bert_model} is not a BERT")
-    if args.dropout is not None:
-        set_dropout(model, args.dropout)
-    return model
-
-
-def build_tokenizer(args: argparse.Namespace, progress: bool) -> BertTokenizer:
-    """``--vocab-file``; else the vocabulary saved beside ``--model-parameters`` or
-    ``--pretrained-bert-parameters``; else the one published with the zoo weights."""
-    try:
-        return build_qa_tokenizer(
-            args.bert_model, vocab_file=args.vocab_file,
-            fine_tuned_parameters=args.model_parameters,
-            pretrained_parameters=args.pretrained_bert_parameters, weights=args.bert_weights,
-            progress=progress,
-        )  # fmt: skip
-    except MissingVocabularyError:
-        raise SystemExit(
-            f"--pretrained-bert-parameters {args.pretrained_bert_parameters}: no vocab.txt "
-            "beside it; pass the checkpoint's vocabulary with --vocab-file"
-        ) from None
+        return SquadRecipe.from_options(vars(args)).load_sets(
+            progress=not args.no_progress, say=logger.info if logger is not None else None
+        )
+    except SquadOptionError as err:
+        raise UsageError(str(err)) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,13 +287,10 @@ def trivial_level(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The task's trivial level for a run log's claims (``logs/claims.json``): the F1 of the
     untrained QA head on the run's own evaluation set, which ``--eval-at-start`` measures
     before the first step (the log's step-0 evaluation)."""
-    start = [r for r in records if r.get("kind") == "eval" and r.get("step") == 0]
-    if not start or start[0].get("f1") is None:
-        raise SystemExit(
-            "the log has no step-0 evaluation: publish SQuAD recipes with --eval-at-start "
-            "(the untrained QA head's F1 is the task's trivial level)"
-        )
-    return {"value": float(start[0]["f1"]), "how": "the untrained QA head's F1 (step 0)"}
+    try:
+        return untrained_f1_level(records)
+    except SquadOptionError as err:
+        raise SystemExit(str(err)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     logger.write(make_header(command, args.seed, env.world_size, args, configs=run_configs(args)))
 
+    recipe = SquadRecipe.from_options(vars(args))  # the data, model and prediction flags
     try:
         train_set, dev_set = load_sets(args, logger)
     except SquadFormatError as exc:
@@ -436,21 +318,20 @@ def main(argv: list[str] | None = None) -> int:
     for name, data in (("train", train_set), ("dev", dev_set)):
         if data is not None:
             logger.info(f"[{name}] {data.report()}")
-    tokenizer = build_tokenizer(args, env.is_main)
-    train_features, eval_set = squad_windows(
-        train_set, dev_set, tokenizer, max_seq_length=args.max_seq_length,
-        doc_stride=args.doc_stride, max_query_length=args.max_query_length, say=logger.info,
-    )  # fmt: skip
-    task = SquadTask(
-        dev_set.examples if dev_set is not None else [], n_best_size=args.n_best_size,
-        max_answer_length=args.max_answer_length, version_2=args.version_2,
-        null_score_diff_threshold=args.null_score_diff_threshold,
-    )  # fmt: skip
+    try:
+        tokenizer = recipe.build_tokenizer(progress=env.is_main)
+    except SquadOptionError as err:  # a checkpoint without its vocab.txt
+        raise SystemExit(str(err)) from None
+    train_features, eval_set = recipe.windows(train_set, dev_set, tokenizer, say=logger.info)
+    task = recipe.task(dev_set)
 
     torch.manual_seed(args.seed)  # the same span-classifier init on every rank and rerun
-    model = build_model(args, logger, env.is_main)
-    model.bert.set_gradient_checkpointing(args.gradient_checkpointing)
-    model.bert.set_unpadding(args.unpad)
+    try:
+        model = recipe.build_model(progress=env.is_main, load_state=load_checkpoint,
+                                   say=logger.info,
+                                   gradient_checkpointing=args.gradient_checkpointing)  # fmt: skip
+    except SquadOptionError as err:  # --bert-model builds no BERT
+        raise SystemExit(str(err)) from None
     world = env  # the whole world; env becomes its data-parallel view with model parallelism
     model, env = apply_model_parallel(args, world, model, inputs_of=pipeline_inputs)
     optimizer = build_optimizer(args, model)
@@ -494,42 +375,25 @@ def main(argv: list[str] | None = None) -> int:
         if env.is_main:
             path = save_hf_directory(saved, tokenizer, output_dir, replace=False)
             logger.info(f"saved {path / 'model.safetensors'} (a Hugging Face directory)")
-    for name, data in (("train", train_set), ("dev", dev_set)):
-        if data is not None and data.skipped:
-            logger.info(f"[{name}] {data.report()}")
-    if env.is_main and trainer.last_eval:
-        f1 = trainer.last_eval.get("f1", math.nan)
-        logger.info(
-            f"Held-out F1 {f1:.2f} ({len(task.examples)} questions, "
-            f"{time.perf_counter() - start:.1f} s)"
-        )
-    if env.is_main and ema is not None and "ema_f1" in ema.last_metrics:
-        logger.info(f"Held-out F1 of the EMA {ema.last_metrics['ema_f1']:.2f} ({output_dir}/ema)")
+    if env.is_main:  # the skipped questions, the held-out F1 (and the EMA's)
+        for line in held_out_report(
+            train_set, dev_set, trainer.last_eval, questions=len(task.examples),
+            seconds=time.perf_counter() - start,
+            ema_metrics=ema.last_metrics if ema is not None else None, ema_dir=output_dir / "ema",
+        ):  # fmt: skip
+            logger.info(line)
     exported = unsplit_for_saving(trainer.model) if args.export_dir else None
-    if env.is_main and exported is not None:
-        path = export_model(args, trainer, exported, ema, tokenizer, command)
+    if env.is_main and exported is not None:  # the EMA's weights with --model-ema
+        path = recipe.export(
+            args.export_dir, exported, tokenizer,
+            metrics={**trainer.last_eval, **(ema.last_metrics if ema is not None else {})},
+            source=export_source(args, command, weights="ema" if ema else "model"),
+            state_dict=ema.state_dict_for_export() if ema is not None else None,
+        )  # fmt: skip
         logger.info(f"exported {path} (modelzoo.pipeline('question-answering', DIR) loads it)")
     logger.close()
     world.destroy()
     return 0 if all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)) else 1
-
-
-def export_model(
-    args: argparse.Namespace,
-    trainer: Trainer,
-    model: torch.nn.Module,
-    ema: Any,
-    tokenizer: BertTokenizer,
-    command: list[str],
-) -> Path:
-    """``--export-dir``: the fine-tuned model (the EMA's weights with ``--model-ema``), its
-    vocabulary and the windowing and post-processing it was evaluated with."""
-    return save_qa_artifact(
-        args.export_dir, model, tokenizer, model_name=args.bert_model, options=vars(args),
-        metrics={**trainer.last_eval, **(ema.last_metrics if ema is not None else {})},
-        source=export_source(args, command, weights="ema" if ema else "model"),
-        state_dict=ema.state_dict_for_export() if ema is not None else None,
-    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -30,18 +30,17 @@ from typing import Any
 
 import torch
 
-import modelzoo
-from modelzoo.artifact import is_artifact
 from modelzoo.store import ChecksumError, DownloadError
 from modelzoo.vision.data import BadImageError, ImageFolder, RecordIOError
 from modelzoo.vision.recipe import (
+    DIGITS_DEFAULTS,
+    IMAGENET_DEFAULTS,
+    ImageRecipe,
     ImageSetError,
-    image_datasets,
+    RecipeOptionError,
+    held_out_report,
     image_root,
-    is_image_classifier,
-    model_options,
-    parse_rgb,
-    save_classifier_artifact,
+    recipe_defaults,
 )
 from modelzoo.vision.tasks import DropBlockRamp, ImageClassificationTask
 from trainers import DistEnv, RunLogger, Trainer, make_header
@@ -81,52 +80,6 @@ from trainers.hooks import StopAtTarget
 
 # modelzoo's errors a run expects (bad image files, a failed download): one line, exit 2.
 EXPECTED_ERRORS = (BadImageError, RecordIOError, DownloadError, ChecksumError)
-
-# The built-in default: what a newcomer gets with no data flags. Measured on seed 0 (AVX2
-# pins, docs/training.md): the GluonCV-like 8 epochs at lr 0.1 with flips reached 0.9526 and
-# its BatchNorm statistics blew up the first validations (loss 122, 137); without flips
-# (a mirrored digit is another glyph) 0.969; with lr 0.05, weight decay 5e-4, label smoothing
-# 0.1, 2 warm-up epochs of 12 the validation loss stays below 4 and top-1 reached 0.989.
-DIGITS_DEFAULTS = dict(
-    model="resnest14",
-    input_size=32,
-    crop_ratio=1.0,
-    batch_size=64,
-    num_epochs=12,
-    lr=0.05,
-    wd=5e-4,
-    label_smoothing=0.1,
-    warmup_epochs=2,
-    rgb_mean="127.5,127.5,127.5",
-    rgb_std="127.5,127.5,127.5",
-    jitter=0.0,
-    lighting=0.0,
-    min_random_area=0.6,
-    hflip=0.0,
-    log_interval=10,
-    last_gamma=True,
-    no_wd=True,
-)
-IMAGENET_DEFAULTS = dict(
-    model="resnest50",
-    input_size=224,
-    crop_ratio=0.875,
-    batch_size=32,
-    num_epochs=120,
-    lr=0.1,
-    wd=1e-4,
-    label_smoothing=0.0,
-    warmup_epochs=0,
-    rgb_mean="123.68,116.779,103.939",
-    rgb_std="58.393,57.12,57.375",
-    jitter=0.4,
-    lighting=0.1,
-    min_random_area=0.08,
-    hflip=0.5,
-    log_interval=50,
-    last_gamma=False,
-    no_wd=False,
-)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -258,22 +211,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           "with --data-dir or --use-rec": IMAGENET_DEFAULTS})  # fmt: skip
     args = p.parse_args(argv)
 
-    digits = args.data_dir is None and not args.use_rec
-    defaults = DIGITS_DEFAULTS if digits else IMAGENET_DEFAULTS
-    defaulted = {key for key in defaults if getattr(args, key) is None}
-    for key in defaulted:
-        setattr(args, key, defaults[key])
-    args.dataset = "digits" if digits else ("recordio" if args.use_rec else "folder")
-    fits = args.warmup_epochs + args.const_epochs <= args.num_epochs
-    if "warmup_epochs" in defaulted and args.num_epochs >= 1 and not fits:
-        # The recipe's warmup does not fit a shorter run: warm up over half of it (say so).
-        args.warmup_epochs = max(0.0, args.num_epochs - args.const_epochs) / 2
-        print(
-            f"note: the default --warmup-epochs {defaults['warmup_epochs']} does not fit "
-            f"--num-epochs {args.num_epochs}: warming up for {args.warmup_epochs:g} epochs "
-            "(half the run); pass --warmup-epochs to choose",
-            file=sys.stderr,
-        )
+    args.dataset, defaults, note = recipe_defaults(vars(args))  # digits, folder or recordio
+    for key, value in defaults.items():
+        setattr(args, key, value)
+    if note:  # the digits' default warm-up, shortened to fit the run
+        print(note, file=sys.stderr)
     p.check(args, bounds=BOUNDS)
     _check_flags(p, args)
     return p.finish(args)
@@ -292,101 +234,26 @@ BOUNDS = {
 
 
 def _check_flags(p: ArgumentParser, args: argparse.Namespace) -> None:
-    """What the flags must satisfy together, in their own terms."""
+    """What the flags must satisfy together (:meth:`ImageRecipe.check_options`)."""
     if args.dtype not in DTYPES:
         p.error(f"--dtype must be one of {sorted(DTYPES)}")
-    for flag, text in (("--rgb-mean", args.rgb_mean), ("--rgb-std", args.rgb_std)):
-        try:
-            parse_rgb(text, flag)
-        except ValueError as err:
-            p.error(str(err))
-    if 0 in parse_rgb(args.rgb_std, "--rgb-std"):
-        p.error(f"--rgb-std {args.rgb_std}: a standard deviation of 0 divides by zero")
-    if args.mixup_off_epoch > args.num_epochs:
-        p.error(f"--mixup-off-epoch {args.mixup_off_epoch} exceeds --num-epochs {args.num_epochs}")
-    if args.use_rec and not (args.rec_train and args.rec_train_idx):
-        p.error("--use-rec needs --rec-train and --rec-train-idx (and --rec-val/--rec-val-idx to "
-                "evaluate)")  # fmt: skip
-    if args.rec_val and not args.rec_val_idx:
-        p.error("--rec-val needs --rec-val-idx")
-    if args.target_top1 is not None and args.dataset == "recordio" and not args.rec_val:
-        p.error("--target-top1 needs a validation set: --rec-val and --rec-val-idx")
-    if args.pipeline_parallel > 1:
-        for flag, on in (("--mixup", args.mixup), ("--teacher", args.teacher),
-                         ("--channels-last", args.channels_last)):  # fmt: skip
-            if on:
-                p.error(f"{flag} does not run with --pipeline-parallel yet (the stages take the "
-                        "images as the loader gives them); drop one of the two")  # fmt: skip
+    try:
+        ImageRecipe.from_options(vars(args)).check_options()
+    except RecipeOptionError as err:
+        p.error(str(err))
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """What the flags name -- models, files, folders -- exists, before any work.
+    """What the flags name -- models, files, folders -- exists, before any work
+    (:meth:`ImageRecipe.check_inputs`).
 
     Raises:
         UsageError: naming the flag and what to do.
     """
-    for flag, name in (("--model", args.model), ("--teacher", args.teacher)):
-        if name is not None:
-            _check_image_model(flag, name)
-    if args.dataset == "recordio":
-        for flag in ("--rec-train", "--rec-train-idx", "--rec-val", "--rec-val-idx"):
-            path = getattr(args, flag[2:].replace("-", "_"))
-            if path and not Path(path).expanduser().is_file():
-                raise UsageError(f"{flag} {path}: no such file")
-    if args.dataset == "folder":
-        root = Path(args.data_dir).expanduser()
-        if not (root / "train").is_dir():
-            what = "has no train/ folder" if root.is_dir() else "does not exist"
-            raise UsageError(
-                f"--data-dir {args.data_dir} {what}: give a folder with train/<class>/* (and "
-                "val/<class>/* to evaluate), or no --data-dir for the built-in digits"
-            )
-        if args.target_top1 is not None and not (root / "val").is_dir():
-            raise UsageError(f"--target-top1 needs a validation set: {root / 'val'} is missing")
-    if args.resume == "auto" and args.save_dir is None:
-        raise UsageError("--resume without a path continues from <save-dir>/latest.pt: pass "
-                         "--save-dir")  # fmt: skip
-    if args.resume is not None and not _resume_path(args).is_file():
-        raise UsageError(f"--resume {_resume_path(args)}: no such checkpoint")
-
-
-def _check_image_model(flag: str, name: str) -> None:
-    """``name`` is a zoo image model or an exported artifact folder."""
-    if is_artifact(name):
-        return
     try:
-        modelzoo.registry.get_model_entry(name)
-    except ValueError as err:
-        raise UsageError(f"{flag} {name}: {err}") from None
-    if not is_image_classifier(name):
-        images = ", ".join(modelzoo.list_models(modality="image"))
-        raise UsageError(f"{flag} {name} is not an image classifier; choose one of {images}")
-
-
-def build_datasets(args: argparse.Namespace) -> tuple[Any, Any, int]:
-    """The training and validation sets and the number of classes the flags name
-    (:func:`modelzoo.vision.recipe.image_datasets`)."""
-    try:
-        return image_datasets(
-            args.dataset, input_size=args.input_size, crop_ratio=args.crop_ratio,
-            mean=parse_rgb(args.rgb_mean, "--rgb-mean"), std=parse_rgb(args.rgb_std, "--rgb-std"),
-            jitter=args.jitter, lighting=args.lighting, min_random_area=args.min_random_area,
-            hflip=args.hflip, data_dir=args.data_dir, rec_train=args.rec_train,
-            rec_train_idx=args.rec_train_idx, rec_val=args.rec_val, rec_val_idx=args.rec_val_idx,
-            num_classes=args.num_classes, skip_bad=args.skip_bad_images,
-        )  # fmt: skip
-    except ImageSetError as err:
-        raise SystemExit(str(err)) from None
-
-
-def _resume_path(args: argparse.Namespace) -> Path:
-    if args.resume != "auto":
-        return Path(args.resume)
-    if args.save_dir is None:
-        raise SystemExit(
-            "--resume without a path continues from <save-dir>/latest.pt: pass --save-dir"
-        )
-    return Path(args.save_dir) / "latest.pt"
+        ImageRecipe.from_options(vars(args)).check_inputs()
+    except RecipeOptionError as err:
+        raise UsageError(str(err)) from None
 
 
 def trivial_level(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -414,20 +281,18 @@ def main(argv: list[str] | None = None) -> int:
     command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     # The data and the model before the run log: a data set or model that cannot be used
     # stops the run before it has a log.
-    train_set, val_set, num_classes = build_datasets(args)
+    recipe = ImageRecipe.from_options(vars(args))  # the data and model flags
+    try:
+        train_set, val_set, num_classes = recipe.datasets()
+    except ImageSetError as err:
+        raise SystemExit(str(err)) from None
     torch.manual_seed(args.seed)  # the same initial weights on every rank and every rerun
-    model = modelzoo.get_model(
-        args.model,
-        pretrained=args.use_pretrained,
-        num_classes=num_classes,
-        progress=env.is_main,
-        **_model_options(args),
-    )
-    _check_batch_norm(args, model)
-    teacher = None
-    if args.teacher:
-        teacher = modelzoo.get_model(args.teacher, pretrained=True, num_classes=num_classes).eval()
-        teacher.to(env.device).requires_grad_(False)
+    try:
+        model = recipe.build_model(num_classes, pretrained=args.use_pretrained,
+                                   progress=env.is_main)  # fmt: skip
+    except RecipeOptionError as err:  # one image per BatchNorm forward pass
+        raise UsageError(str(err)) from None
+    teacher = recipe.build_teacher(num_classes, env.device)
 
     run_log = args.run_log or next(
         (str(Path(d) / "run.jsonl") for d in (args.save_dir, args.elastic_dir) if d), None
@@ -476,75 +341,28 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     build_elastic(args, trainer)  # with --elastic-dir: fit() resumes from its state
     if args.resume:
-        trainer.resume(_resume_path(args))
+        trainer.resume(recipe.resume_path())
 
     start = time.perf_counter()
     metrics = trainer.fit(train_set, eval_dataset=val_set)
     exported = unsplit_for_saving(trainer.model) if args.export_dir else None  # collective
     if env.is_main:
-        for ds, name in ((train_set, "train"), (val_set, "val")):
-            report = getattr(ds, "report", None)
-            if ds is not None and report is not None and ds.bad_files:
-                logger.info(f"[{name}] {report()}")
-        if val_set is not None and "top1" in trainer.last_eval:
-            top1 = trainer.last_eval["top1"]
-            logger.info(
-                f"Held-out top-1 accuracy: {top1:.4f} ({len(val_set)} images, "
-                f"{time.perf_counter() - start:.1f} s)"
-            )
-        if ema is not None and "ema_top1" in ema.last_metrics:
-            logger.info(f"Held-out top-1 accuracy of the EMA: {ema.last_metrics['ema_top1']:.4f}")
-        if args.export_dir:
-            path = export_model(args, trainer, exported, ema, train_set, num_classes, command)
+        for line in held_out_report(train_set, val_set, trainer.last_eval,
+                                    ema.last_metrics if ema is not None else None,
+                                    time.perf_counter() - start):  # fmt: skip
+            logger.info(line)
+        if args.export_dir:  # the EMA's weights with --model-ema (ImageRecipe.export)
+            path = recipe.export(
+                args.export_dir, exported, num_classes=num_classes,
+                labels=getattr(train_set, "classes", None),
+                metrics={**trainer.last_eval, **(ema.last_metrics if ema is not None else {})},
+                source=export_source(args, command, weights="ema" if ema else "model"),
+                state_dict=ema.state_dict_for_export() if ema is not None else None,
+            )  # fmt: skip
             logger.info(f"exported {path} (modelzoo.get_model / modelzoo.pipeline load it)")
     logger.close()
     world.destroy()
     return 0 if all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)) else 1
-
-
-def export_model(
-    args: argparse.Namespace,
-    trainer: Trainer,
-    model: torch.nn.Module,
-    ema: Any,
-    train_set: Any,
-    num_classes: int,
-    command: list[str],
-) -> Path:
-    """``--export-dir``: the artifact folder of the run (the EMA's weights with
-    ``--model-ema``): the model, its evaluation preprocessing and the class folder names."""
-    return save_classifier_artifact(
-        args.export_dir, model, model_name=args.model,
-        model_kwargs={"num_classes": num_classes, **_model_options(args)},
-        labels=getattr(train_set, "classes", None), input_size=args.input_size,
-        crop_ratio=args.crop_ratio, mean=parse_rgb(args.rgb_mean, "--rgb-mean"),
-        std=parse_rgb(args.rgb_std, "--rgb-std"),
-        metrics={**trainer.last_eval, **(ema.last_metrics if ema is not None else {})},
-        source=export_source(args, command, weights="ema" if ema else "model"),
-        state_dict=ema.state_dict_for_export() if ema is not None else None,
-    )  # fmt: skip
-
-
-def _check_batch_norm(args: argparse.Namespace, model: torch.nn.Module) -> None:
-    """BatchNorm normalizes each channel over the batch: one image per forward pass has no
-    spread to normalize (ResNeSt's split attention pools to 1x1 first), so refuse it."""
-    per_forward = args.batch_size
-    if args.pipeline_parallel > 1:
-        per_forward //= args.micro_batches or args.pipeline_parallel
-    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    if has_bn and per_forward < 2:
-        what = "--batch-size 1" if per_forward == args.batch_size else (
-            f"--batch-size {args.batch_size} in {args.batch_size // max(per_forward, 1)} "
-            "micro-batches")  # fmt: skip
-        raise UsageError(
-            f"{what}: {args.model} has BatchNorm layers, which need at least 2 images per "
-            "forward pass in training; pass --batch-size 2 or more"
-        )
-
-
-def _model_options(args: argparse.Namespace) -> dict[str, Any]:
-    return model_options(last_gamma=args.last_gamma, dropblock_prob=args.dropblock_prob,
-                         final_drop=args.final_drop)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -48,11 +48,13 @@ from typing import Any
 import torch
 
 from modelzoo.linear import (
+    DEFAULT_LOSS,
     LOSSES,
     LinearData,
     add_intercept_column,
     build_linear_model,
     column_slice,
+    loss_fits,
     row_slice,
 )
 from modelzoo.linear.data import DATASETS, TooFewExamples, load_linear_data
@@ -71,12 +73,20 @@ from trainers.cli import (
     run_main,
 )
 from trainers.comm.sparse import ALGORITHMS as SPARSE_ALGORITHMS
-from trainers.dist import UnsafeLaunchError, check_launch, peer_timeout, start_peer_watchdog
+from trainers.dist import UnsafeLaunchError
 from trainers.linear import COMBINERS, ElasticStateMismatch, LinearElastic
+from trainers.linear.elastic import open_linear_elastic
 from trainers.linear.recipes import (
+    MULTINOMIAL_SYMSGD,
+    LinearOptionError,
     MatrixOps,
     SolverConfig,
     SolverConfigError,
+    describe_result,
+    describe_run,
+    elastic_identity,
+    header_options,
+    resolve_row_parallel,
     train_lbfgs,
     train_rowparallel,
     train_sgd,
@@ -84,7 +94,6 @@ from trainers.linear.recipes import (
 from trainers.linear.rowparallel import DEFAULT_ROUND_BATCHES
 
 SOLVERS = ("lbfgs", "sgd", "casgd")
-DEFAULT_LOSS = {"binary": "logistic", "multiclass": "multinomial", "regression": "squared"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -184,7 +193,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--test-fraction must be in (0, 1), got {args.test_fraction}")
     if args.solver != "lbfgs" and args.sa_batches > 1:
         p.error("--arriving-batches/--sa-batches is an L-BFGS option; use --solver lbfgs")
-    _check_row_parallel(p, args)
+    try:  # --grad-combine and its options, with their defaults
+        args.round_batches, args.symsgd_rank = resolve_row_parallel(
+            args.grad_combine, solver=args.solver, round_batches=args.round_batches,
+            sparse_allreduce=args.sparse_allreduce, symsgd_rank=args.symsgd_rank,
+            symsgd_exact=args.symsgd_exact, loss=args.loss, elastic=args.elastic_dir is not None,
+        )  # fmt: skip
+    except LinearOptionError as err:
+        p.error(str(err))
     if args.lr is None:
         args.lr = 1.0 if args.solver == "lbfgs" else 0.1
     if args.elastic_lr_scaling == "linear":
@@ -203,73 +219,6 @@ BOUNDS = {
     "n_features": Bound(1), "synthetic_samples": Bound(2), "synthetic_features": Bound(1),
     "nnz_per_row": Bound(1), "sa_decay": Bound(0, 1, low_open=True), "latency_ms": Bound(0),
 }  # fmt: skip
-
-
-def _check_row_parallel(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--grad-combine`` and its options: only with ``--solver sgd``, each with its combiner;
-    fills in the defaults."""
-    combine = args.grad_combine
-    if combine is None:
-        for flag, unset in (("round_batches", None), ("symsgd_rank", None),
-                            ("symsgd_exact", False), ("sparse_allreduce", "auto")):  # fmt: skip
-            if getattr(args, flag) != unset:
-                p.error(f"--{flag.replace('_', '-')} is a --grad-combine option; add "
-                        "--solver sgd --grad-combine allreduce|average|symsgd")  # fmt: skip
-        return
-    if args.solver != "sgd":
-        p.error(f"--grad-combine {combine} is row-partitioned SGD: use --solver sgd "
-                f"(--solver {args.solver} has its own communication)")  # fmt: skip
-    if args.elastic_dir is not None:
-        p.error("--elastic-dir is not supported with --grad-combine (the saved state is the "
-                "feature-partitioned one); drop one of them")  # fmt: skip
-    if args.round_batches is not None and args.round_batches < 1:
-        p.error(f"--round-batches must be at least 1, got {args.round_batches}")
-    if combine == "allreduce" and args.round_batches not in (None, 1):
-        p.error(f"--grad-combine allreduce steps once per round with the global batch: "
-                f"--round-batches must be 1 (got {args.round_batches}); use average or symsgd "
-                "for several local mini-batches per round")  # fmt: skip
-    if combine != "allreduce" and args.sparse_allreduce != "auto":
-        p.error("--sparse-allreduce is a --grad-combine allreduce option")
-    if combine != "symsgd" and (args.symsgd_rank is not None or args.symsgd_exact):
-        p.error("--symsgd-rank and --symsgd-exact are --grad-combine symsgd options")
-    if combine == "symsgd":
-        if args.loss == "multinomial":
-            p.error(_MULTINOMIAL_SYMSGD)
-        if args.symsgd_rank is not None and args.symsgd_rank < 1:
-            p.error(f"--symsgd-rank must be at least 1, got {args.symsgd_rank}")
-        if args.symsgd_rank is None:
-            args.symsgd_rank = 16
-    if args.round_batches is None:
-        args.round_batches = DEFAULT_ROUND_BATCHES[combine]
-
-
-_MULTINOMIAL_SYMSGD = (
-    "--grad-combine symsgd needs a loss with one margin per example (squared, logistic, hinge, "
-    "squared_hinge): the multinomial loss has one per class; use --grad-combine allreduce or "
-    "average, or --solver sgd without --grad-combine"
-)
-_ROW_PARALLEL_FLAGS = ("grad_combine", "round_batches", "sparse_allreduce", "symsgd_rank",
-                       "symsgd_exact")  # fmt: skip
-
-
-# Flags that fix the trajectory: a saved elastic state with other values is refused.
-_IDENTITY_FLAGS = ("solver", "dataset", "data_file", "n_features", "zero_based", "test_fraction",
-                   "synthetic_samples", "synthetic_features", "nnz_per_row", "synthetic_task",
-                   "synthetic_columns", "data_seed", "wd", "lr", "precision")  # fmt: skip
-_SOLVER_FLAGS = {
-    "lbfgs": ("history_size", "iterations", "no_line_search", "sa_batches", "sa_decay"),
-    "sgd": ("batch_size", "seed"),
-    "casgd": ("batch_size", "seed", "s"),
-}
-
-
-def elastic_identity(args: argparse.Namespace, data: LinearData, loss: str) -> dict[str, Any]:
-    """What a resumed job must share with the saved one: the flags that fix the trajectory
-    (not ``--num-epochs``/``--max-steps``, which only say where it ends) and the data's shape."""
-    flags = _IDENTITY_FLAGS + _SOLVER_FLAGS[args.solver]
-    n, d = data.X_train.shape
-    return {**{f: getattr(args, f) for f in flags}, "loss": loss, "train_rows": int(n),
-            "features": int(d), "num_classes": int(data.num_classes)}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------- data
@@ -343,67 +292,37 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float64 if args.precision == "fp64" else torch.float32
     data = load_data(args, dtype)
     loss = args.loss or DEFAULT_LOSS[data.task]
-    if (loss == "multinomial") != (data.task == "multiclass") or (
-        (loss == "squared") != (data.task == "regression")
-    ):
+    if not loss_fits(loss, data.task):
         raise SystemExit(f"--loss {loss} does not fit the {data.task} labels of {args.dataset}")
     if args.grad_combine == "symsgd" and loss == "multinomial":
-        raise SystemExit(_MULTINOMIAL_SYMSGD)
+        raise SystemExit(MULTINOMIAL_SYMSGD)
     elastic, resume, appending = None, None, False
     config = elastic_config(args)
-    if config is not None:
-        elastic = LinearElastic(config.dir, rank=env.rank, world_size=env.world_size,
-                                identity=elastic_identity(args, data, loss),
-                                checkpoint_steps=config.checkpoint_steps, ledger=config.ledger,
-                                run_log=args.run_log)  # fmt: skip
+    if config is not None:  # every rank: the job's state, checked against these flags
         try:
-            resume = elastic.read()  # every rank: the job's state, checked against these flags
-            appending = elastic.resume_run_log(resume)  # rank 0: cut the log back to the save
-        except (ElasticStateMismatch, CheckpointError) as e:
+            elastic, resume, appending = open_linear_elastic(
+                config.dir, env, identity=elastic_identity(vars(args), data, loss),
+                checkpoint_steps=config.checkpoint_steps, ledger=config.ledger,
+                run_log=args.run_log,
+            )  # fmt: skip
+        except (ElasticStateMismatch, CheckpointError, UnsafeLaunchError) as e:
             raise SystemExit(f"--elastic-dir: {e}") from None
-        # As the Trainer's ElasticState: refuse torchrun's shared store (a restart would read
-        # the dead group's addresses), and give up on a silent peer (a partition) in seconds
-        # instead of at the 30-minute collective timeout, so that torchrun re-forms the group.
-        try:
-            check_launch(elastic=True)
-        except UnsafeLaunchError as e:
-            raise SystemExit(f"--elastic-dir: {e}") from None
-        start_peer_watchdog(env, peer_timeout(elastic=True))
     logger = RunLogger(args.run_log, enabled=env.is_main, mode="a" if appending else "w",
                        tensorboard=args.tensorboard)  # fmt: skip
-    if not appending:
-        logger.write(make_header(command, args.seed, env.world_size, _header_config(args)))
-    n, d = data.X_train.shape
-    solver = args.solver if args.grad_combine is None else f"sgd/{args.grad_combine} (rows)"
-    logger.info(f"{args.dataset}: {n} training / {data.X_test.shape[0]} test examples, "
-                f"{d} features, {data.task}; {loss} loss, {solver} on "
-                f"{env.world_size} process(es)")  # fmt: skip
+    if not appending:  # without --elastic-dir / --grad-combine: no elastic / row-parallel flags
+        logger.write(make_header(command, args.seed, env.world_size, header_options(vars(args))))
+    logger.info(describe_run(args.dataset, data, loss, args.solver, args.grad_combine,
+                             env.world_size))  # fmt: skip
     if elastic is not None:
         elastic.start(logger, resume)  # the membership record, the ledger
     result = train(args, env, logger, data, loss, dtype, elastic, resume)
     logger.end(**result)
     if elastic is not None:
         elastic.finish()  # after the end record: a restart before it redoes the end
-    main_metric = "test_mse" if data.task == "regression" else "test_accuracy"
-    logger.info(f"held-out {main_metric.split('_')[1]}: {result[main_metric]:.4f} "
-                f"(test loss {result['test_loss']:.4f}, {result['steps']} steps, "
-                f"{result['messages']} messages, {result['total_time']:.2f} s)")  # fmt: skip
+    logger.info(describe_result(data.task, result))
     logger.close()
     env.destroy()
     return 0 if all(math.isfinite(v) for v in result.values() if isinstance(v, float)) else 1
-
-
-def _header_config(args: argparse.Namespace) -> argparse.Namespace:
-    """The flags for the header; without ``--elastic-dir`` the elastic ones are left out, and
-    without ``--grad-combine`` the row-parallel ones, so a run's header is what it was before
-    they existed."""
-
-    def kept(flag: str) -> bool:
-        if "elastic" in flag and args.elastic_dir is None:
-            return False
-        return args.grad_combine is not None or flag not in _ROW_PARALLEL_FLAGS
-
-    return argparse.Namespace(**{k: v for k, v in vars(args).items() if kept(k)})
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from .datasets import (
     synthetic_sparse,
 )
 from .models import (
+    DEFAULT_LOSS,
     GLM,
     LOSSES,
     LinearRegression,
@@ -29,11 +30,13 @@ from .models import (
     MarginLoss,
     MultinomialLogisticRegression,
     build_linear_model,
+    loss_fits,
 )
 from .svmlight import SvmlightBatch, SvmlightData, SvmlightFormatError, iter_svmlight, load_svmlight
 
 __all__ = [
     "BUNDLED",
+    "DEFAULT_LOSS",
     "GLM",
     "LOSSES",
     "LinearData",
@@ -52,6 +55,7 @@ __all__ = [
     "iter_svmlight",
     "load_bundled",
     "load_svmlight",
+    "loss_fits",
     "row_slice",
     "synthetic_sparse",
 ]

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "DEFAULT_LOSS",
     "GLM",
     "LOSSES",
     "LinearRegression",
@@ -47,6 +48,7 @@ __all__ = [
     "MarginLoss",
     "MultinomialLogisticRegression",
     "build_linear_model",
+    "loss_fits",
 ]
 
 
@@ -119,6 +121,18 @@ LOSSES: dict[str, MarginLoss] = {
         MarginLoss("squared_hinge", _squared_hinge_value, _squared_hinge_derivative),
     )
 }
+
+#: The loss of each task (``LinearData.task``) when none is chosen.
+DEFAULT_LOSS = {"binary": "logistic", "multiclass": "multinomial", "regression": "squared"}
+
+
+def loss_fits(loss: str, task: str) -> bool:
+    """Whether the labels of ``task`` (``binary``, ``multiclass``, ``regression``) fit margin
+    loss ``loss``: the multinomial loss takes exactly the multiclass labels, the squared loss
+    exactly the real ones (the others take binary labels)."""
+    return (loss == "multinomial") == (task == "multiclass") and (
+        (loss == "squared") == (task == "regression")
+    )
 
 
 # ---------------------------------------------------------------------------------- models

@@ -26,9 +26,10 @@ exposed communication may be at most ``T_c (1 / f* - 1)``, so the compression ra
 The all-reduce and message times are the project's one latency-bandwidth model
 (:mod:`trainers.comm.cost`); each combining mode's communication and step time are its class's
 (:meth:`~trainers.comm.GradCombiner.comm_time`, :meth:`~trainers.comm.GradCombiner.step_time`).
-``scripts/scaling_whatif.py`` reads ``T_c``, ``G``, ``r`` and ``o`` from a run log and prints
-the tables; ``benchmarks/whatif_check.py`` and ``whatif_lab_check.py`` check the model against
-measured runs.
+``scripts/scaling_whatif.py`` reads ``T_c``, ``G``, ``r`` and ``o`` from a run log
+(:mod:`trainers.comm.whatif_log`) and prints the tables (:func:`scaling_tables`,
+:func:`method_table`; :func:`plot_scaling` draws them); ``benchmarks/whatif_check.py`` and
+``whatif_lab_check.py`` check the model against measured runs.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ __all__ = [
     "method_table",
     "needed_ratio",
     "overlap_for_cores",
+    "plot_scaling",
     "scaling_factor",
+    "scaling_tables",
 ]
 
 BACKWARD_SHARE = 2.0 / 3.0  # of a step's compute; DDP overlaps its all-reduces with it
@@ -158,6 +161,54 @@ def needed_ratio(w: Workload, workers: int, gbps: float, latency: float, target:
     if budget <= 0:
         return math.inf
     return max(1.0, per_byte * w.grad_bytes / budget)
+
+
+def scaling_tables(
+    w: Workload, workers: Sequence[int], bandwidths: Sequence[float], latency: float, target: float
+) -> str:
+    """The predicted scaling factor and the compression ratio needed for ``target``, per
+    number of workers (rows) and link speed in Gbps (columns), under a line saying ``w``."""
+    head = "workers " + "".join(f"{b:>10g}Gbps" for b in bandwidths)
+    lines = [
+        f"what-if for {w.source or 'the given workload'}: compute {w.compute_time * 1e3:.1f} ms/step, "
+        f"gradient {w.grad_bytes / 2**20:.1f} MiB, compression ratio {w.compression_ratio:.3g}, "
+        f"overlap {w.overlap:.2f}, latency {latency * 1e6:g} us"
+        f"{', all-gather' if w.allgather else ''}",
+        "",
+        "predicted scaling factor (1 = linear)",
+        head,
+    ]
+    for n in workers:
+        row = "".join(f"{scaling_factor(w, n, b, latency):>14.3f}" for b in bandwidths)
+        lines.append(f"{n:>7d} {row}")
+    lines += ["", f"compression ratio needed for scaling factor {target:g}", head]
+    for n in workers:
+        row = "".join(f"{needed_ratio(w, n, b, latency, target):>14.3g}" for b in bandwidths)
+        lines.append(f"{n:>7d} {row}")
+    return "\n".join(lines)
+
+
+def plot_scaling(w: Workload, workers: Sequence[int], bandwidths: Sequence[float], latency: float, output: str) -> None:  # fmt: skip
+    """Draw the scaling factor against the workers, one line per link speed, into the PNG
+    ``output`` (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for b in bandwidths:
+        ax.plot(workers, [scaling_factor(w, n, b, latency) for n in workers], marker="o", label=f"{b:g} Gbps")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("workers")
+    ax.set_ylabel("scaling factor")
+    ax.set_title(w.source or "what-if", fontsize="small")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
 
 
 # ---- decentralized and pipelined methods ---------------------------------------------------------

@@ -38,9 +38,10 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..dist import DistEnv, check_launch, peer_timeout, start_peer_watchdog
 from ..elastic import LEDGER_DIR, STATE_FILE, repair_run_log
 
-__all__ = ["FORMAT", "ElasticStateMismatch", "LinearElastic", "gather_rows"]
+__all__ = ["FORMAT", "ElasticStateMismatch", "LinearElastic", "gather_rows", "open_linear_elastic"]
 
 FORMAT = "train_linear/1"  # the ``format`` field of a linear solver's state.pt
 
@@ -268,3 +269,36 @@ _BOOKKEEPING = frozenset(
     ("format", "identity", "step", "world_size", "reference_world_size", "restarts",
      "finished", "run_log_bytes", "time")
 )  # fmt: skip
+
+
+def open_linear_elastic(
+    directory: str | os.PathLike[str],
+    env: DistEnv,
+    *,
+    identity: Mapping[str, Any],
+    checkpoint_steps: int = 50,
+    ledger: bool = True,
+    run_log: str | os.PathLike[str] | None = None,
+) -> tuple[LinearElastic, dict[str, Any] | None, bool]:
+    """The job's :class:`LinearElastic` in ``directory`` (every rank calls it), the state to
+    resume (``None``: a fresh job) and whether the run log is appended to (rank 0 cut it
+    back to the save).
+
+    As the Trainer's ElasticState, it refuses torchrun's shared store (a restart would read
+    the dead group's addresses) and starts a watchdog that gives up on a silent peer (a
+    partition) in seconds instead of at the 30-minute collective timeout, so that torchrun
+    re-forms the group.
+
+    Raises:
+        ElasticStateMismatch: the saved state is another job's (:meth:`LinearElastic.read`).
+        trainers.checkpoint.CheckpointError: the saved state is unreadable.
+        trainers.dist.UnsafeLaunchError: the launcher's store is unsafe for restarts.
+    """
+    elastic = LinearElastic(directory, rank=env.rank, world_size=env.world_size,
+                            identity=identity, checkpoint_steps=checkpoint_steps,
+                            ledger=ledger, run_log=run_log)  # fmt: skip
+    resume = elastic.read()  # every rank: the job's state, checked against this one
+    appending = elastic.resume_run_log(resume)  # rank 0: cut the log back to the save
+    check_launch(elastic=True)
+    start_peer_watchdog(env, peer_timeout(elastic=True))
+    return elastic, resume, appending

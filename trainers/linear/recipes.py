@@ -11,6 +11,12 @@ state when given one, and returns the ``end`` record's metrics:
   mini-batches per all-reduce);
 * :func:`train_rowparallel`: row-partitioned SGD with a ``grad_combine`` combiner.
 
+The options of these recipes, as ``train_linear.py``'s flags: the row-parallel ones resolved
+and checked together (:func:`resolve_row_parallel`), the ones that fix a run's trajectory (an
+elastic state's identity, :func:`elastic_identity`), those a run-log header records
+(:func:`header_options`), and the lines that describe a run and its result
+(:func:`describe_run`, :func:`describe_result`).
+
 As the solvers, the recipes import no model family: ``data`` is a split with the attributes
 of :class:`modelzoo.linear.LinearData` (``X_train, y_train, X_test, y_test, task,
 num_classes``), ``loss`` a margin loss with ``name``, ``value`` and ``derivative`` (one of
@@ -22,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,13 +40,23 @@ from .casgd import FeaturePartitionedSGD, column_blocks, epoch_batches
 from .elastic import LinearElastic, gather_rows
 from .lbfgs import CumulativeBatchLBFGS, LBFGSConfig
 from .messages import Messenger
-from .rowparallel import CURVATURES, RowParallelSGD
+from .rowparallel import CURVATURES, DEFAULT_ROUND_BATCHES, RowParallelSGD
 
 __all__ = [
+    "IDENTITY_OPTIONS",
+    "MULTINOMIAL_SYMSGD",
+    "ROW_PARALLEL_OPTIONS",
+    "SOLVER_OPTIONS",
+    "LinearOptionError",
     "MatrixOps",
     "SolverConfig",
     "SolverConfigError",
+    "describe_result",
+    "describe_run",
+    "elastic_identity",
+    "header_options",
     "metrics",
+    "resolve_row_parallel",
     "train_lbfgs",
     "train_rowparallel",
     "train_sgd",
@@ -93,6 +109,144 @@ class SolverConfig:
 
 class SolverConfigError(ValueError):
     """The row-parallel solver refused its settings (the solver's message)."""
+
+
+class LinearOptionError(ValueError):
+    """A recipe's options do not go together: the message names the flag
+    (``train_linear.py``'s spelling) and what to do instead."""
+
+
+MULTINOMIAL_SYMSGD = (
+    "--grad-combine symsgd needs a loss with one margin per example (squared, logistic, hinge, "
+    "squared_hinge): the multinomial loss has one per class; use --grad-combine allreduce or "
+    "average, or --solver sgd without --grad-combine"
+)
+#: The options of row-partitioned SGD (``--grad-combine`` and those that go with it).
+ROW_PARALLEL_OPTIONS = ("grad_combine", "round_batches", "sparse_allreduce", "symsgd_rank",
+                        "symsgd_exact")  # fmt: skip
+#: Options that fix the trajectory: a saved elastic state with other values is refused.
+IDENTITY_OPTIONS = ("solver", "dataset", "data_file", "n_features", "zero_based", "test_fraction",
+                    "synthetic_samples", "synthetic_features", "nnz_per_row", "synthetic_task",
+                    "synthetic_columns", "data_seed", "wd", "lr", "precision")  # fmt: skip
+#: ... and those of each solver.
+SOLVER_OPTIONS = {
+    "lbfgs": ("history_size", "iterations", "no_line_search", "sa_batches", "sa_decay"),
+    "sgd": ("batch_size", "seed"),
+    "casgd": ("batch_size", "seed", "s"),
+}
+
+
+def resolve_row_parallel(
+    grad_combine: str | None,
+    *,
+    solver: str,
+    round_batches: int | None = None,
+    sparse_allreduce: str = "auto",
+    symsgd_rank: int | None = None,
+    symsgd_exact: bool = False,
+    loss: str | None = None,
+    elastic: bool = False,
+) -> tuple[int | None, int | None]:
+    """``grad_combine`` and its options: only with ``solver="sgd"``, each with its combiner.
+
+    Returns:
+        ``(round_batches, symsgd_rank)`` with the defaults filled in (unchanged without
+        ``grad_combine``).
+
+    Raises:
+        LinearOptionError: an option without its combiner or solver, out of range, or with
+            an elastic state (``elastic``) or a loss (``loss``) the combiner cannot take.
+    """
+    combine = grad_combine
+    if combine is None:
+        for flag, value, unset in (("round_batches", round_batches, None),
+                                   ("symsgd_rank", symsgd_rank, None),
+                                   ("symsgd_exact", symsgd_exact, False),
+                                   ("sparse_allreduce", sparse_allreduce, "auto")):  # fmt: skip
+            if value != unset:
+                raise LinearOptionError(
+                    f"--{flag.replace('_', '-')} is a --grad-combine option; add --solver sgd "
+                    "--grad-combine allreduce|average|symsgd"
+                )
+        return round_batches, symsgd_rank
+    if solver != "sgd":
+        raise LinearOptionError(
+            f"--grad-combine {combine} is row-partitioned SGD: use --solver sgd (--solver "
+            f"{solver} has its own communication)"
+        )
+    if elastic:
+        raise LinearOptionError(
+            "--elastic-dir is not supported with --grad-combine (the saved state is the "
+            "feature-partitioned one); drop one of them"
+        )
+    if round_batches is not None and round_batches < 1:
+        raise LinearOptionError(f"--round-batches must be at least 1, got {round_batches}")
+    if combine == "allreduce" and round_batches not in (None, 1):
+        raise LinearOptionError(
+            f"--grad-combine allreduce steps once per round with the global batch: "
+            f"--round-batches must be 1 (got {round_batches}); use average or symsgd "
+            "for several local mini-batches per round"
+        )
+    if combine != "allreduce" and sparse_allreduce != "auto":
+        raise LinearOptionError("--sparse-allreduce is a --grad-combine allreduce option")
+    if combine != "symsgd" and (symsgd_rank is not None or symsgd_exact):
+        raise LinearOptionError(
+            "--symsgd-rank and --symsgd-exact are --grad-combine symsgd options"
+        )
+    if combine == "symsgd":
+        if loss == "multinomial":
+            raise LinearOptionError(MULTINOMIAL_SYMSGD)
+        if symsgd_rank is not None and symsgd_rank < 1:
+            raise LinearOptionError(f"--symsgd-rank must be at least 1, got {symsgd_rank}")
+        if symsgd_rank is None:
+            symsgd_rank = 16
+    if round_batches is None:
+        round_batches = DEFAULT_ROUND_BATCHES[combine]
+    return round_batches, symsgd_rank
+
+
+def elastic_identity(options: Mapping[str, Any], data: Any, loss: str) -> dict[str, Any]:
+    """What a resumed job must share with the saved one: the options (flag values by name)
+    that fix the trajectory (:data:`IDENTITY_OPTIONS` and the solver's
+    :data:`SOLVER_OPTIONS`; not ``num_epochs``/``max_steps``, which only say where it ends),
+    the loss and the shape of the split ``data``."""
+    names = IDENTITY_OPTIONS + SOLVER_OPTIONS[options["solver"]]
+    n, d = data.X_train.shape
+    return {**{name: options[name] for name in names}, "loss": loss, "train_rows": int(n),
+            "features": int(d), "num_classes": int(data.num_classes)}  # fmt: skip
+
+
+def header_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options a run-log header records: without an ``elastic_dir`` the elastic ones are
+    left out, and without a ``grad_combine`` the row-parallel ones, so a run's header is what
+    it was before they existed."""
+
+    def kept(name: str) -> bool:
+        if "elastic" in name and options.get("elastic_dir") is None:
+            return False
+        return options.get("grad_combine") is not None or name not in ROW_PARALLEL_OPTIONS
+
+    return {name: value for name, value in options.items() if kept(name)}
+
+
+def describe_run(
+    dataset: str, data: Any, loss: str, solver: str, grad_combine: str | None, world_size: int
+) -> str:
+    """The line that says what a run trains: the split's sizes and task, the loss, the solver
+    (row-partitioned SGD with ``grad_combine``) and the processes."""
+    n, d = data.X_train.shape
+    solver = solver if grad_combine is None else f"sgd/{grad_combine} (rows)"
+    return (f"{dataset}: {n} training / {data.X_test.shape[0]} test examples, {d} features, "
+            f"{data.task}; {loss} loss, {solver} on {world_size} process(es)")  # fmt: skip
+
+
+def describe_result(task: str, result: Mapping[str, Any]) -> str:
+    """The line that says what a run reached: the held-out accuracy (regression: mean squared
+    error) of the ``end`` record's metrics ``result``, and what it cost."""
+    main_metric = "test_mse" if task == "regression" else "test_accuracy"
+    return (f"held-out {main_metric.split('_')[1]}: {result[main_metric]:.4f} "
+            f"(test loss {result['test_loss']:.4f}, {result['steps']} steps, "
+            f"{result['messages']} messages, {result['total_time']:.2f} s)")  # fmt: skip
 
 
 def metrics(
