@@ -5,8 +5,9 @@
 ``LogisticRegression(solver="lbfgs", C=1/(n λ))`` runs first each round; its final
 objective ``F_sk`` (mean log loss + λ/2 |w|², computed here) is the target, and ours
 (:class:`trainers.linear.DataParallelLBFGS`, one process) is timed until its objective is at
-most ``F_sk``. Rounds alternate the two; a line ``lbfgs ... ratio=<sklearn/ours>`` (median
-times).
+most ``F_sk``. Both run on one thread (``torch.set_num_threads(1)``; scikit-learn's BLAS and
+OpenMP pools limited through ``threadpoolctl``). Rounds alternate the two; a line ``lbfgs ...
+ratio=<sklearn/ours>`` (median times).
 
 **CA-SGD** (``--world`` gloo processes on 127.0.0.1, features partitioned): plain
 feature-partitioned SGD (one all-reduce per mini-batch) against CA-SGD with s = 1, 2, 4, 8, 16
@@ -17,7 +18,7 @@ by :class:`trainers.linear.Messenger` and the per-mini-batch time (min/median/ma
 rounds). Last line ``ratio=<plain SGD time / CA-SGD(--ratio-s) time>``.
 
 Usage: python benchmarks/bench_linear.py [--rounds 5] [--world 4] [--latency-ms 2] [--steps 64]
-    [--json FILE]
+    [--skip-lbfgs | --skip-casgd] [--json FILE]
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def _objective(X, y, w: torch.Tensor, b: float, l2: float) -> float:
 
 def bench_lbfgs(args: argparse.Namespace) -> dict:
     from sklearn.linear_model import LogisticRegression as SkLogistic
+    from threadpoolctl import threadpool_limits  # scikit-learn's own dependency
 
     data = synthetic_sparse(args.rows, args.features, args.nnz, seed=0, dtype=torch.float64)
     X, y = data.X, data.y
@@ -68,7 +70,8 @@ def bench_lbfgs(args: argparse.Namespace) -> dict:
     for _ in range(args.rounds):
         t0 = time.perf_counter()
         sk = SkLogistic(C=1.0 / (n * l2), solver="lbfgs", tol=1e-6, max_iter=1000)
-        sk.fit(X_sp, y.numpy())
+        with threadpool_limits(limits=1):  # one thread each, as torch here
+            sk.fit(X_sp, y.numpy())
         sk_t.append(time.perf_counter() - t0)
         sk_iters.append(int(sk.n_iter_[0]))
         target = _objective(X, y, torch.from_numpy(sk.coef_[0]), float(sk.intercept_[0]), l2)
@@ -180,13 +183,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-ms", type=float, default=2.0)
     p.add_argument("--ratio-s", type=int, default=8, choices=S_VALUES)
     p.add_argument("--skip-lbfgs", action="store_true")
+    p.add_argument("--skip-casgd", action="store_true",
+                   help="L-BFGS only: its ratio (scikit-learn time / ours) is the last line")  # fmt: skip
     add_args(p, rounds=5)
     args = p.parse_args(argv)
     check_rounds(args.rounds)
     if args.steps % max(S_VALUES) != 0:
         p.error(f"--steps must be a multiple of {max(S_VALUES)}")
+    if args.skip_lbfgs and args.skip_casgd:
+        p.error("--skip-lbfgs and --skip-casgd together leave nothing to run")
     torch.set_num_threads(1)
     extra = {} if args.skip_lbfgs else bench_lbfgs(args)
+    if args.skip_casgd:
+        finish(args.json, "bench_linear_lbfgs", extra["lbfgs_ours_rounds"],
+               extra["lbfgs_sklearn_rounds"], unit="s",
+               ours_label="our L-BFGS (DataParallelLBFGS, 1 process) to scikit-learn's objective",
+               peer_label="scikit-learn LogisticRegression(solver='lbfgs', tol=1e-6)",
+               target=1.0)  # fmt: skip
+        return 0
     times = bench_casgd(args)
     extra.update(latency_ms=args.latency_ms, world=args.world,
                  **{f"{name}_rounds": t for name, t in times.items()})  # fmt: skip
