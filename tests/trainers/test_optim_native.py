@@ -96,6 +96,27 @@ def test_broadcast_scale_and_no_weight_decay():
     assert all(torch.equal(a, b) for a, b in zip(mn + vn + sq, mt + vt + u, strict=True))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_apply_equals_two_addcmuls(threads):
+    w, a, b = _tensors(0.05, 8), _tensors(1e-3, 9), _tensors(1e-3, 10)
+    ca, cb = -(torch.rand(len(SIZES)) * 1e-2), -(torch.rand(len(SIZES)) * 1e-3)
+    ref = [t.clone() for t in w]
+    torch._foreach_addcmul_(ref, a, ca.unbind(0))
+    torch._foreach_addcmul_(ref, b, cb.unbind(0))
+    one = [t.clone() for t in w]
+    torch._foreach_addcmul_(one, a, ca.unbind(0))
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours, ours_one = [t.clone() for t in w], [t.clone() for t in w]
+        _native.apply_(ours, a, ca, b, cb)
+        _native.apply_(ours_one, a, ca)
+    finally:
+        torch.set_num_threads(old)
+    assert all(torch.equal(x, y) for x, y in zip(ours, ref, strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(ours_one, one, strict=True))
+
+
 def test_layouts_the_passes_do_not_take():
     a = torch.randn(8, 6)
     assert _native.available([a], [torch.empty_like(a)])

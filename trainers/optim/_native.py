@@ -18,7 +18,8 @@ it: ``lerp`` as ``fma(w, end - x, x)`` (``fma(w - 1, end - x, end)`` for ``w >= 
 division, reciprocal and products rounded once each. The library is built without FMA
 contraction, so only the written ``fmaf`` calls fuse, on every machine
 (tests/trainers/test_optim_native.py checks the bits against the torch path on tensors of
-many sizes). The norms and the final ``w += r u`` stay torch's.
+many sizes). The norms stay torch's; LANS's two final ``w += r u`` terms run in one pass
+(``apply``: two FMAs, as torch's two ``addcmul_`` compute them).
 
 Work is split over ``torch.get_num_threads()`` POSIX threads by element ranges across the
 tensors of a bucket: an element's arithmetic does not depend on the split. Only CPU float32
@@ -37,7 +38,7 @@ from torch import Tensor
 
 from modelzoo._native import load
 
-__all__ = ["available", "moments_", "update_"]
+__all__ = ["apply_", "available", "moments_", "update_"]
 
 _SOURCE = r"""
 #include <math.h>
@@ -146,12 +147,37 @@ void update(float* const* s, const float* const* m, const float* const* w, float
     update_args a = {s, m, w, gc, eps, am, ac, add_m, add_c};
     parallel(update_span, &a, n, K, threads);
 }
+
+/* ---- apply: w = fma(b, cb[k], fma(a, ca[k], w)) (torch's addcmul_ with 0-d tensors, twice) -- */
+typedef struct { float* const* w; const float* const* a; const float* const* b;
+                 const float* ca; const float* cb; } apply_args;
+
+static void apply_span(const void* a_, int64_t k, int64_t i0, int64_t i1) {
+    const apply_args* p = (const apply_args*)a_;
+    float* w = p->w[k];
+    const float* a = p->a[k];
+    const float ca = p->ca[k];
+    if (p->b) {
+        const float* b = p->b[k];
+        const float cb = p->cb[k];
+        for (int64_t i = i0; i < i1; ++i) w[i] = fmaf(b[i], cb, fmaf(a[i], ca, w[i]));
+    } else {
+        for (int64_t i = i0; i < i1; ++i) w[i] = fmaf(a[i], ca, w[i]);
+    }
+}
+
+void apply(float* const* w, const float* const* a, const float* const* b, const int64_t* n,
+           int64_t K, const float* ca, const float* cb, int threads) {
+    apply_args p = {w, a, b, ca, cb};
+    parallel(apply_span, &p, n, K, threads);
+}
 """
 
 _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "moments": (_P, _P, _P, _P, _P, _I64, _P, _I64, _I, _F, _F, _F, _I),
     "update": (_P, _P, _P, _P, _P, _I64, _F, _F, _I, _F, _I, _I),
+    "apply": (_P, _P, _P, _P, _I64, _P, _P, _I),
 }
 
 
@@ -287,5 +313,33 @@ def update_(
         int(alpha_m != 0.0),
         alpha_c,
         int(alpha_c != 0.0),
+        torch.get_num_threads(),
+    )
+
+
+def apply_(
+    weights: Sequence[Tensor],
+    a: Sequence[Tensor],
+    coef_a: Tensor,
+    b: Sequence[Tensor] | None = None,
+    coef_b: Tensor | None = None,
+) -> None:
+    """``torch._foreach_addcmul_(w, a, coef_a.unbind(0))`` and then, when ``b`` is given,
+    ``torch._foreach_addcmul_(w, b, coef_b.unbind(0))``, in one pass: per-tensor float32
+    coefficients, read by the kernel (not on the host)."""
+    coef_a = coef_a.detach().to(torch.float32).contiguous()
+    assert coef_a.numel() == len(weights)
+    if b is not None:
+        assert coef_b is not None
+        coef_b = coef_b.detach().to(torch.float32).contiguous()
+        assert coef_b.numel() == len(weights)
+    _lib().apply(
+        _ptrs(weights),
+        _ptrs(a),
+        _ptrs(b) if b is not None else None,
+        _sizes(weights),
+        len(weights),
+        coef_a.data_ptr(),
+        coef_b.data_ptr() if coef_b is not None else None,
         torch.get_num_threads(),
     )

@@ -170,7 +170,8 @@ class Lans(LayerwiseAdaptiveOptimizer):
         # MXNet's lans.py (sequential) adds u_c's weight decay after w has moved by u_m
         alpha_c_now = 0.0 if sequential else alpha_c
 
-        if _native.available(bucket.grads, g, w, m, v, update_m):  # same bits, two passes
+        native = _native.available(bucket.grads, g, w, m, v, update_m)
+        if native:  # the same bits in fewer passes (see _native)
             _native.moments_(bucket.grads, m, v, beta1=beta1, beta2=beta2, scale=inv_norm, out=g)
             for vi, ui in zip(v, update_m, strict=True):
                 torch.sqrt(vi, out=ui)
@@ -211,6 +212,9 @@ class Lans(LayerwiseAdaptiveOptimizer):
             torch._foreach_add_(update_c, w, alpha=alpha_c)
         if adapts:
             coef_c.mul_(trust_ratio(weight_norm, bucket.norms(update_c).mul_(sc), **bounds))
+        if native and not sequential:  # both terms in one pass, the same bits
+            _native.apply_(w, update_m, coef_m, update_c, coef_c)
+            return
         if not sequential:
             torch._foreach_addcmul_(w, update_m, coef_m.unbind(0))
         torch._foreach_addcmul_(w, update_c, coef_c.unbind(0))
