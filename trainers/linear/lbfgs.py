@@ -173,18 +173,31 @@ class DataParallelLBFGS:
     def _key(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.params]
 
+    def _current(self) -> list[torch.Tensor]:
+        """The weights as they are (no copy: for comparisons)."""
+        return [p.detach() for p in self.params]
+
     @staticmethod
     def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
         return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
+    def _set_grads(self, grads: list[torch.Tensor]) -> None:
+        """``p.grad`` = a copy of ``grads`` (into the existing tensor when it fits: on CPU a
+        fresh parameter-sized tensor costs its page faults every call)."""
+        for p, g in zip(self.params, grads, strict=True):
+            old = p.grad
+            if old is not None and old.shape == g.shape and old.dtype == g.dtype:
+                old.copy_(g)
+            else:
+                p.grad = g.clone()
+
     def evaluate(self) -> float:
         """``F(w)`` at the current weights, with ``p.grad = ∇F`` (cached for unchanged w)."""
-        key = self._key()
-        if self._cache is not None and self._same(self._cache[0], key):
+        if self._cache is not None and self._same(self._cache[0], self._current()):
             _, loss, grads = self._cache
-            for p, g in zip(self.params, grads, strict=True):
-                p.grad = g.clone()
+            self._set_grads(grads)
             return loss
+        key = self._key()
         with torch.enable_grad():
             local = self.local_loss_sum()
             grads = torch.autograd.grad(local, self.params, allow_unused=True)
@@ -210,8 +223,7 @@ class DataParallelLBFGS:
             total = [t if e is None else t + e for t, e in zip(total, extra, strict=True)]
         value = float(loss)
         self._cache = (key, value, total)
-        for p, g in zip(self.params, total, strict=True):
-            p.grad = g.clone()
+        self._set_grads(total)
         return value
 
     # -- iterations ---------------------------------------------------------------------------
@@ -221,8 +233,8 @@ class DataParallelLBFGS:
         self.optimizer.step(self.evaluate)
         self.iterations += 1
         loss = self.evaluate()  # cached when the line search ended here
-        grad_max = float(self._flat_grad().abs().max())
-        moved = not self._same(before, self._key())
+        grad_max = max(float(torch.linalg.vector_norm(p.grad, float("inf"))) for p in self.params)
+        moved = not self._same(before, self._current())
         self.converged = grad_max <= self.config.tolerance_grad or not moved
         return loss
 
