@@ -11,8 +11,8 @@ Each optimizer gets its own copy of the parameters. Rounds alternate AdamW, LAMB
 in one process, ``--steps`` steps each; the per-step time of an optimizer is the median
 over rounds (each round rotates which goes first). Lines ``<name> ... ratio=<adamw_time/
 our_time>`` for LAMB and LANS with min/median/max, then the machine and the last line
-``ratio=<...>``: the smaller (worse) of the two. Target: ratio >= 0.67 (ours at
-most 1.5x AdamW's time).
+``ratio=<...>``: the smaller (worse) of the two. Target (issue 41): ratio >= 0.77 (ours at
+most 1.3x AdamW's time).
 
 Usage: python benchmarks/bench_optim.py [--rounds 7] [--steps 5] [--device cpu] [--threads N]
 """
@@ -134,7 +134,7 @@ def main() -> None:
     other = "lans" if worse == "lamb" else "lamb"
     finish(args.json, "bench_optim", times[worse], times["adamw"],
            ours_label=f"{worse.upper()} step (the slower of LAMB, LANS)",
-           peer_label="torch.optim.AdamW(foreach=True) step", target=0.67,
+           peer_label="torch.optim.AdamW(foreach=True) step", target=0.77,
            extra={f"{other}_rounds": times[other], f"{other}_ratio": ratios[other]})  # fmt: skip
 
 
