@@ -7,8 +7,9 @@ kernels walk the CSR arrays once and accumulate in place, in the same order: eve
 element is ``0 + p_1 + p_2 + ...`` over its non-zeros in CSR order, each product rounded
 once, so the result is the torch form's bit for bit (tests/modelzoo/test_linear_native.py).
 The library is built without FMA contraction (:mod:`modelzoo._native`). The forward splits
-its rows over ``torch.get_num_threads()`` threads (rows are independent); the backward,
-which scatters into columns, runs on one.
+its rows over ``torch.get_num_threads()`` threads and, for one output, runs four rows'
+sums side by side (rows are independent: each sum keeps its order); the backward, which
+scatters into columns, runs on one thread.
 
 Only CPU CSR matrices with int64 indices whose values have the weights' dtype (float32 or
 float64) take this path; ``MODELZOO_LINEAR_NATIVE=0`` or a missing C compiler leaves the
@@ -39,7 +40,28 @@ typedef struct { const int64_t* crow; const int64_t* col; const T* val; const T*
 static void* NAME##_rows(void* arg) {                                                          \
     const NAME##_job* a = (const NAME##_job*)arg;                                              \
     const int64_t C = a->C, F = a->F;                                                          \
-    for (int64_t i = a->lo; i < a->hi; ++i) {                                                  \
+    int64_t i = a->lo;                                                                         \
+    if (C == 1) { /* four rows at a time: independent sums, each in its own order */           \
+        const int64_t* crow = a->crow; const int64_t* col = a->col;                            \
+        const T* val = a->val; const T* W = a->W;                                              \
+        for (; i + 4 <= a->hi; i += 4) {                                                       \
+            int64_t j0 = crow[i], j1 = crow[i + 1], j2 = crow[i + 2], j3 = crow[i + 3];        \
+            const int64_t e0 = j1, e1 = j2, e2 = j3, e3 = crow[i + 4];                         \
+            T s0 = 0, s1 = 0, s2 = 0, s3 = 0;                                                  \
+            while (j0 < e0 && j1 < e1 && j2 < e2 && j3 < e3) {                                 \
+                T p0 = val[j0] * W[col[j0]], p1 = val[j1] * W[col[j1]];                        \
+                T p2 = val[j2] * W[col[j2]], p3 = val[j3] * W[col[j3]];                        \
+                s0 = s0 + p0; s1 = s1 + p1; s2 = s2 + p2; s3 = s3 + p3;                        \
+                ++j0; ++j1; ++j2; ++j3;                                                        \
+            }                                                                                  \
+            for (; j0 < e0; ++j0) { T p = val[j0] * W[col[j0]]; s0 = s0 + p; }                 \
+            for (; j1 < e1; ++j1) { T p = val[j1] * W[col[j1]]; s1 = s1 + p; }                 \
+            for (; j2 < e2; ++j2) { T p = val[j2] * W[col[j2]]; s2 = s2 + p; }                 \
+            for (; j3 < e3; ++j3) { T p = val[j3] * W[col[j3]]; s3 = s3 + p; }                 \
+            a->out[i] = s0; a->out[i + 1] = s1; a->out[i + 2] = s2; a->out[i + 3] = s3;        \
+        }                                                                                      \
+    }                                                                                          \
+    for (; i < a->hi; ++i) {                                                                   \
         T* o = a->out + i * C;                                                                 \
         for (int64_t k = 0; k < C; ++k) o[k] = 0;                                              \
         for (int64_t j = a->crow[i]; j < a->crow[i + 1]; ++j) {                                \
@@ -76,6 +98,15 @@ void NAME(const int64_t* crow, const int64_t* col, const T* val, const T* W, T* 
 void NAME(const int64_t* crow, const int64_t* col, const T* val, const T* G, T* out,          \
           int64_t n, int64_t C, int64_t F) {                                                   \
     memset(out, 0, sizeof(T) * (size_t)(F * C));                                               \
+    if (C == 1) {                                                                              \
+        for (int64_t i = 0; i < n; ++i) {                                                      \
+            const T g = G[i];                                                                  \
+            for (int64_t j = crow[i]; j < crow[i + 1]; ++j) {                                  \
+                T p = val[j] * g; out[col[j]] = out[col[j]] + p;                               \
+            }                                                                                  \
+        }                                                                                      \
+        return;                                                                                \
+    }                                                                                          \
     for (int64_t i = 0; i < n; ++i) {                                                          \
         const T* g = G + i * C;                                                                \
         for (int64_t j = crow[i]; j < crow[i + 1]; ++j) {                                      \
