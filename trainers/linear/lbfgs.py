@@ -220,7 +220,7 @@ class DataParallelLBFGS:
                 r = self.penalty()
                 extra = torch.autograd.grad(r, self.params, allow_unused=True)
             loss = loss + r.detach()
-            total = [t if e is None else t + e for t, e in zip(total, extra, strict=True)]
+            total = [t if e is None else t.add_(e) for t, e in zip(total, extra, strict=True)]
         value = float(loss)
         self._cache = (key, value, total)
         self._set_grads(total)
