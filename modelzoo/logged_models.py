@@ -35,34 +35,35 @@ def _zoo_grad_bytes(name: str, num_classes: int | None, head: str | None, vocab_
 
 
 def _pretraining_vocab_size(config: dict[str, Any]) -> int:
-    """The vocabulary ``pretrain_bert.py`` ran with (its ``load_tokenizer``, in the same order)."""
-    from .nlp.tokenizer import BertTokenizer, get_tokenizer
+    """The vocabulary ``pretrain_bert.py`` ran with (its sources in
+    :func:`~modelzoo.nlp.pretraining.recipe.recipe_tokenizer`'s order)."""
+    from .nlp.pretraining.recipe import BUILTIN_TOKENIZER, recipe_tokenizer
+    from .nlp.tokenizer import get_tokenizer
 
-    if config.get("vocab_file"):
-        return len(BertTokenizer.from_file(config["vocab_file"]))
-    for n in (1, 2):
-        data = config.get(f"phase{n}_data")
-        if data and (Path(data) / "vocab.txt").is_file():
-            return len(BertTokenizer.from_dir(data))
-    if config.get("phase1_model") and (Path(config["phase1_model"]) / "vocab.txt").is_file():
-        return len(BertTokenizer.from_dir(config["phase1_model"]))
+    named = recipe_tokenizer(
+        vocab_file=config.get("vocab_file"),
+        data_dirs=[config.get("phase1_data"), config.get("phase2_data")],
+        phase1_model=config.get("phase1_model"),
+    )  # fmt: skip
+    if named is not None:
+        return len(named)
+    # The run had a vocabulary this machine lacks: the built-in one would be the wrong size.
     if any(config.get(f"phase{n}_data") for n in (1, 2)):
         raise FileNotFoundError("the run's vocab.txt is not on this machine")
     if config.get("phase1_model") and not config.get("corpus_vocab"):
         raise FileNotFoundError("the phase-1 model's vocab.txt is not on this machine")
     if config.get("corpus_vocab"):  # --corpus-vocab: the tokens the built-in corpus uses
         return _corpus_vocab_size()
-    return len(get_tokenizer("minilm_l6_h384", progress=False))  # the built-in corpus's
+    return len(get_tokenizer(BUILTIN_TOKENIZER, progress=False))  # the built-in corpus's
 
 
 @functools.cache
 def _corpus_vocab_size() -> int:
     """``pretrain_bert.py --corpus-vocab``'s vocabulary size (tokenizes the built-in corpus
     once per process)."""
-    from .nlp.pretraining import corpus_vocabulary
-    from .nlp.tokenizer import get_tokenizer
+    from .nlp.pretraining.recipe import recipe_tokenizer
 
-    return len(corpus_vocabulary(get_tokenizer("minilm_l6_h384", progress=False)))
+    return len(recipe_tokenizer(builtin=True, corpus_vocab=True, progress=False))
 
 
 def logged_model_grad_bytes(name: str | None, config: dict[str, Any], script: str = "") -> float:
