@@ -1,4 +1,4 @@
-"""Elastic restart time: from a worker's death to the first training step after the restart.
+"""Elastic recovery time: from a worker's death to the first training step after it.
 
 Starts ``--nodes`` torchrun agents on 127.0.0.1 (one worker each, c10d rendezvous on a
 store this process hosts, ``--nnodes=2:N``), lets them train an MLP with a
@@ -167,12 +167,82 @@ def one_restart(nodes: int, params_millions: float, timeout: float = 300) -> dic
         shutil.rmtree(out, ignore_errors=True)
 
 
+def one_recovery(nodes: int, params_millions: float, timeout: float = 300) -> dict[str, float]:
+    """The same job and kill under in-process recovery (``python -m trainers.elastic
+    inproc``): the survivors keep their processes; phases from their ledger records."""
+    out = Path(tempfile.mkdtemp(prefix="bench_elastic_inproc_"))
+    port = _free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    members = []
+    for i in range(nodes):
+        cmd = [
+            sys.executable, "-m", "trainers.elastic", "inproc", f"--store=127.0.0.1:{port}",
+            "--job=bench", f"--nodes=2:{nodes}", __file__, "--worker", str(out),
+            "--params-millions", str(params_millions),
+        ]  # fmt: skip
+        log = open(out / f"member{i}.log", "w")  # noqa: SIM115
+        members.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
+    ledger = out / "elastic" / "ledger"
+
+    def wait(what, predicate):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waiting for {what}; see {out}")
+            time.sleep(0.05)
+
+    def records(kind):
+        return [r for r in _read(ledger.glob("*.jsonl")) if r["kind"] == kind]
+
+    try:
+        wait("steps at full size", lambda: any(r["world_size"] == nodes for r in records("step")))
+        wait("a few more steps", lambda: len(records("step")) >= 12 * nodes)
+        procs = _read((out / "procs").glob("*.json"))
+        victim = max(procs, key=lambda p: p["rank"])
+        kill = time.time()
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait("the first step after", lambda: any(r["time"] > kill for r in records("step")))
+        wait("the survivors' recovery records", lambda: len(records("recovery")) >= nodes - 1)
+        recovered = [r for r in records("recovery") if r["time"] > kill]
+        first = min(r["time"] for r in records("step") if r["time"] > kill)
+        phases = [r["phases"] for r in recovered]
+        return {
+            "detect": max(r["failed_at"] for r in recovered) - kill,
+            "agree": max(p["agree"] for p in phases),
+            "process group + DDP": max(p["process_group"] + p["rewrap"] for p in phases),
+            "hand over state": max(p["transfer"] + p["restore"] for p in phases),
+            "first step": first - max(r["time"] for r in recovered),
+            "total": first - kill,
+        }
+    finally:
+        for member in members:
+            if member.poll() is None:
+                os.killpg(member.pid, signal.SIGKILL)
+                member.wait()
+        del store
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--nodes", type=int, default=3, help="agents at the start (>= 3)")
     parser.add_argument("--repeats", type=int, default=5, help="restarts timed (>= 5)")
     parser.add_argument("--params-millions", type=float, default=0.1, help="model size")
+    parser.add_argument(
+        "--recovery",
+        choices=["restart", "inproc"],
+        default="inproc",
+        help="inproc: the survivors re-form the group in their processes (trainers.recovery, "
+        "the default); restart: torchrun restarts every worker from state.pt",
+    )
     args = parser.parse_args()
     if args.worker is not None:
         worker(args.worker, args.params_millions)
@@ -180,14 +250,22 @@ def main() -> None:
     check_rounds(args.repeats)
     if args.nodes < 3:
         parser.error("--nodes must be >= 3 (the job keeps at least 2 after one dies)")
-    print(f"{args.nodes} agents -> {args.nodes - 1}, model {args.params_millions}M params, "
-          f"rdzv-conf {RDZV_CONF}, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    how = (
+        f"rdzv-conf {RDZV_CONF}"
+        if args.recovery == "restart"
+        else "in-process recovery, heartbeat timeout "
+        f"{os.environ.get('MODELZOO_PEER_TIMEOUT') or '1 (default)'} s"
+    )
+    print(f"{args.nodes} members -> {args.nodes - 1}, model {args.params_millions}M params, "
+          f"{how}, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     print(machine_line())
-    runs = [one_restart(args.nodes, args.params_millions) for _ in range(args.repeats)]
+    one = one_restart if args.recovery == "restart" else one_recovery
+    runs = [one(args.nodes, args.params_millions) for _ in range(args.repeats)]
     for phase in runs[0]:
         values = [r[phase] for r in runs]
         print(f"{phase:>20}: {spread(values)}  ({', '.join(f'{v:.2f}' for v in values)})")
-    print(f"restart_seconds={statistics.median(r['total'] for r in runs):.2f}")
+    name = "restart_seconds" if args.recovery == "restart" else "recovery_seconds"
+    print(f"{name}={statistics.median(r['total'] for r in runs):.2f}")
 
 
 if __name__ == "__main__":

@@ -211,6 +211,25 @@ class DistEnv:
                 owns_process_group=False,
             )
 
+        from .recovery import join_from_env  # noqa: PLC0415 (recovery imports this module)
+
+        if os.environ.get("MODELZOO_RECOVERY_STORE"):  # trainers.elastic inproc launched us
+            if use_cuda:
+                raise RuntimeError(
+                    "in-process recovery (python -m trainers.elastic inproc) runs on gloo and "
+                    "CPU workers; launch GPU jobs with python -m trainers.elastic torchrun"
+                )
+            joined = join_from_env()
+            assert joined is not None
+            _, formed = joined
+            return cls(
+                rank=formed.rank,
+                world_size=formed.world_size,
+                device=torch.device("cpu"),
+                backend="gloo",
+                owns_process_group=True,
+            )
+
         world_size = _env_int("WORLD_SIZE", 1)
         rank = _env_int("RANK", 0)
         local_rank = _env_int("LOCAL_RANK", rank if world_size > 1 else 0)
@@ -252,6 +271,18 @@ class DistEnv:
         )
         start_peer_watchdog(env, timeout)
         return env
+
+    def regroup(self, rank: int, world_size: int) -> None:
+        """Take a new rank and world size in place, after the process group was re-formed
+        (in-process recovery, :mod:`trainers.recovery`): every holder of this env (the
+        script, the trainer, the combiner) sees the new membership. Only an env that owns
+        the default group may change so."""
+        if not self.owns_process_group or self.group is not None:
+            raise RuntimeError("regroup: only the env that made the default process group")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"regroup: rank {rank} outside a world of {world_size}")
+        object.__setattr__(self, "rank", int(rank))
+        object.__setattr__(self, "world_size", int(world_size))
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -311,6 +342,10 @@ class DistEnv:
             while _WATCHDOGS:  # before the store goes: the job is ending
                 _WATCHDOGS.pop().stop()
             dist.destroy_process_group()
+        if self.owns_process_group:
+            from .recovery import reset_active  # noqa: PLC0415
+
+            reset_active()  # an in-process-recovering member says it left
 
     # -- collectives (no-ops for a world of one) -------------------------------------------
     def barrier(self) -> None:

@@ -92,6 +92,8 @@ import torch
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import ShardedSampler
 from .dist import check_launch, peer_timeout, start_peer_watchdog
+from .recovery import MembershipChange, RecoveryError, flag_from_rank0, is_peer_failure
+from .recovery import active as active_membership
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -265,10 +267,21 @@ class ElasticState:
         self._ledger_left = 0
 
         self._check_lr()
+        # In-process recovery (python -m trainers.elastic inproc; trainers.recovery): the
+        # group is re-formed inside the running processes instead of by torchrun.
+        self.membership = active_membership()
+        self.regroups = 0  # in-process re-formations this process took part in
+        self.recoveries: list[dict[str, float]] = []  # their phases, in seconds
+        if self.membership is not None:
+            self._check_in_process()
         trainer.add_hook(self)
         # A partition must cost seconds, not the 30-minute collective timeout: give up on a
         # silent peer so that torchrun re-forms the group without it (trainers.dist).
-        self.watchdog = start_peer_watchdog(trainer.env, peer_timeout(elastic=True))
+        self.watchdog = (
+            None
+            if self.membership is not None  # its heartbeats and collective timeout do that
+            else start_peer_watchdog(trainer.env, peer_timeout(elastic=True))
+        )
 
     @staticmethod
     def has_checkpoint(directory: str | os.PathLike[str]) -> bool:
@@ -327,10 +340,18 @@ class ElasticState:
                 f"{state['step']}; give a new --elastic-dir (or delete this one) to train again"
             )
         old_world, new_world = int(state["world_size"]), env.world_size
-        trainer.load_state_dict(state, source=str(self.path))  # calls self.load_state_dict
-        step = trainer.global_step
+        regrouped = self.membership is not None
+        trainer.load_state_dict(state, source=str(self.path), regrouped=regrouped)
         self.load_seconds = time.perf_counter() - start
         self.restarts += 1
+        self._changed(old_world, new_world)
+        return True
+
+    def _changed(self, old_world: int, new_world: int, **extra: Any) -> None:
+        """The trainer was put back at a committed step in a group of ``new_world`` ranks:
+        the lr ramp, the schedule offset and the run log's ``membership`` record."""
+        trainer = self.trainer
+        step = trainer.global_step
         self.restored_step = self.last_saved_step = step
         if old_world != new_world:
             self.schedule_offset = (step + self.schedule_offset) * old_world / new_world - step
@@ -351,8 +372,8 @@ class ElasticState:
                 "to_factor": self.ramp.end_factor,
             },
             time=time.time(),
+            **extra,
         )
-        return True
 
     def lr_factor(self, step: int | None = None) -> float:
         """The ramp's lr factor at ``step`` (default: the next step); the trainer multiplies
@@ -376,6 +397,9 @@ class ElasticState:
 
     def on_train_start(self, trainer: Trainer) -> None:
         if self.run_id is not None:  # a later fit() in this process (e.g. after restore())
+            return
+        if self.membership is not None:  # in-process recovery: state from a member or disk
+            self._hand_over(reason="start")
             return
         self.load()
         if trainer.env.is_main and self.directory.is_dir():
@@ -408,10 +432,116 @@ class ElasticState:
 
     def on_step_end(self, trainer: Trainer, step: int) -> None:
         self._ledger_step(step)
-        if self.commit_steps and step % self.commit_steps == 0:
+        committed = bool(self.commit_steps) and step % self.commit_steps == 0
+        if committed:
             self.commit()
         if self.checkpoint_steps and step % self.checkpoint_steps == 0:
             self.save()
+        if committed and self.membership is not None:
+            # Rank 0 asks the store whether a newcomer waits; every rank follows its answer.
+            waiting = trainer.env.is_main and self.membership.newcomer_waiting()
+            if flag_from_rank0(waiting):
+                raise MembershipChange(f"a newcomer waits at step {step}")
+
+    # -- in-process recovery ---------------------------------------------------------------------
+    def recover(self, trainer: Trainer, exc: BaseException) -> bool:
+        """Re-form the group after ``exc`` (a peer failure, or a newcomer at a commit) and
+        put every member back at the latest commit any of them holds; False: not ours.
+
+        Called by :meth:`Trainer.fit` with an exception out of its loop. The phases (seconds)
+        are appended to :attr:`recoveries` and printed on stderr.
+        """
+        if self.membership is None or not is_peer_failure(exc):
+            return False
+        failed_at = time.time()
+        started = time.perf_counter()
+        reason = "newcomer" if isinstance(exc, MembershipChange) else "failure"
+        for _attempt in range(8):  # a peer may fail again while the group re-forms
+            try:
+                formed = self.membership.reform()
+                timing = dict(self.membership.last_timing)
+                trainer.env.regroup(formed.rank, formed.world_size)
+                mark = time.perf_counter()
+                trainer.regroup()
+                timing["rewrap"] = time.perf_counter() - mark
+                timing.update(self._hand_over(reason=reason))
+                break
+            except Exception as again:  # noqa: BLE001
+                if not is_peer_failure(again):
+                    raise
+                print(f"[recovery] the group failed again while re-forming ({again}); "
+                      "once more", file=sys.stderr, flush=True)  # fmt: skip
+        else:
+            raise RecoveryError("the group could not be re-formed in 8 attempts")
+        timing["total"] = time.perf_counter() - started
+        self.recoveries.append(timing)
+        self.regroups += 1
+        if self._ledger_file is not None:  # when and how long, for bench_elastic.py
+            self._ledger_write(
+                {"kind": "recovery", "run": self.run_id, "rank": trainer.env.rank,
+                 "reason": reason, "failed_at": failed_at, "phases": timing,
+                 "time": time.time()}  # fmt: skip
+            )
+        print(
+            f"[recovery] rank {trainer.env.rank} of {trainer.env.world_size} goes on at step "
+            f"{trainer.global_step} ({reason}): "
+            + ", ".join(f"{k} {v:.3f} s" for k, v in timing.items()),
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
+
+    def _hand_over(self, *, reason: str) -> dict[str, float]:
+        """Every member of a new group: agree on the latest commit any member holds, send it
+        to the members that lack it, load it (as after a world-size change), start a new
+        ledger generation and commit. With no commit anywhere (the job starts, or every
+        member is new): ``state.pt`` if it exists, else a fresh start."""
+        trainer, env = self.trainer, self.trainer.env
+        start = time.perf_counter()
+        mine = -1 if self._committed is None else int(self._committed["step"])
+        steps = env.all_gather_object(mine)
+        best = max(steps)
+        sent = 0.0
+        if best < 0:
+            self.load()
+        else:
+            source = steps.index(best)
+            state = self._committed
+            if any(s != best for s in steps):
+                mark = time.perf_counter()
+                state = env.broadcast_object(state if env.rank == source else None, src=source)
+                sent = time.perf_counter() - mark
+            assert state is not None
+            old_world = int(state["world_size"])
+            trainer.load_state_dict(copy.deepcopy(state), source="a member's commit",
+                                    regrouped=True)  # fmt: skip
+            trainer.optimizer.zero_grad(set_to_none=True)
+            self._changed(
+                old_world, env.world_size, in_process=True, reason=reason, source_rank=source
+            )
+        restored = time.perf_counter()
+        token = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}" if env.is_main else None
+        self._start_generation(trainer.global_step, env.broadcast_object(token))
+        self.commit()
+        assert self.membership is not None
+        self.membership.settle()
+        return {"transfer": sent, "restore": restored - start - sent}
+
+    def _check_in_process(self) -> None:
+        trainer = self.trainer
+        if not getattr(trainer.combiner, "regroups_in_process", False):
+            raise ValueError(
+                f"in-process recovery does not re-form --grad-combine {trainer.combiner.name} "
+                "yet (only average); launch this mode with python -m trainers.elastic torchrun"
+            )
+        if trainer.tensor_parallel or trainer.pipeline is not None:
+            raise ValueError(
+                "in-process recovery keeps each member's state in memory, which a tensor- or "
+                "pipeline-parallel model spreads over ranks; use python -m trainers.elastic "
+                "torchrun"
+            )
+        if not self.commit_steps:
+            raise ValueError("in-process recovery needs commits: commit_steps must be > 0")
 
     def on_train_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
         self.finished = True
@@ -576,7 +706,7 @@ def committed_samples(directory: str | os.PathLike[str]) -> dict[int, list[int]]
             run = runs[record["run"]]
             if record["kind"] == "start":
                 run["restored"] = int(record["restored_step"])
-            else:
+            elif record["kind"] == "step":
                 run["steps"].append((int(record["epoch"]), int(record["step"]), record["ids"]))
     order = sorted(runs)
     samples: dict[int, list[int]] = defaultdict(list)
@@ -630,18 +760,86 @@ def torchrun(argv: list[str]) -> None:
     torchrun_main(argv)
 
 
+def inproc(argv: list[str]) -> int:
+    """``python -m trainers.elastic inproc --store H:P --job ID --nodes MIN:MAX -- SCRIPT ...``:
+    run SCRIPT as member(s) of an in-process-recovering job (:mod:`trainers.recovery`).
+
+    Sets ``MODELZOO_RECOVERY_STORE``/``_JOB``/``_NODES`` and runs ``--nproc-per-node``
+    copies of the script (default 1: the script replaces this process). Returns the exit
+    status (the worst of the copies)."""
+    from .recovery import ENV_JOB, ENV_NODES, ENV_STORE, parse_nodes
+
+    parser = argparse.ArgumentParser(
+        prog="python -m trainers.elastic inproc",
+        description="Run a training script as member(s) of a job that recovers in process: "
+        "a member that dies or is cut off costs the others a re-formed process group, not a "
+        "restart; a new member joins at the group's next commit.",
+    )
+    parser.add_argument(
+        "--store",
+        required=True,
+        metavar="HOST:PORT",
+        help="the job's c10d store (python -m trainers.elastic store)",
+    )
+    parser.add_argument("--job", required=True, help="the job's name (its keys in the store)")
+    parser.add_argument(
+        "--nodes",
+        default="1:64",
+        metavar="MIN:MAX",
+        help="members the job needs / takes at most (default 1:64)",
+    )
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="members started by this command (default 1)",
+    )
+    parser.add_argument("script", help="the training script (python file)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)  # fmt: skip
+    args = parser.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
+    host, _, port = args.store.rpartition(":")
+    if not host or not port.isdigit():
+        parser.error(f"--store {args.store!r}: give HOST:PORT, e.g. 10.0.0.1:29400")
+    try:
+        parse_nodes(args.nodes)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.nproc_per_node < 1:
+        parser.error(f"--nproc-per-node {args.nproc_per_node}: give 1 or more")
+    if not Path(args.script).is_file():
+        parser.error(f"script {args.script!r} not found")
+    os.environ.update({ENV_STORE: args.store, ENV_JOB: args.job, ENV_NODES: args.nodes})
+    rest = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
+    command = [sys.executable, args.script, *rest]
+    if args.nproc_per_node == 1:
+        os.execv(sys.executable, command)
+    import subprocess  # noqa: PLC0415
+
+    children = [subprocess.Popen(command) for _ in range(args.nproc_per_node)]
+    try:
+        return max(child.wait() for child in children)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.terminate()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["torchrun"]:
         torchrun(argv[1:])
         return
+    if argv[:1] == ["inproc"]:
+        raise SystemExit(inproc(argv[1:]))
     parser = argparse.ArgumentParser(
         prog="python -m trainers.elastic",
         description="Host the c10d rendezvous store of an elastic job until interrupted "
-        "(store), or launch torchrun safely for elastic jobs (torchrun ARGS: torchrun's own "
-        "arguments, with a fresh worker store every rendezvous round).",
+        "(store), launch torchrun safely for elastic jobs (torchrun ARGS: torchrun's own "
+        "arguments, with a fresh worker store every rendezvous round), or run a script as "
+        "a member of a job that recovers in process (inproc --help).",
     )
-    parser.add_argument("command", choices=["store", "torchrun"])
+    parser.add_argument("command", choices=["store", "torchrun", "inproc"])
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=29400)
     args = parser.parse_args(argv)

@@ -280,6 +280,20 @@ class RunLogger:
         if self._own.paths or self._own.trees:
             _CREATED.append(self._own)
 
+    def take_over(self) -> None:
+        """Start writing on a rank that was not rank 0 when the logger was made (the group
+        was re-formed in process and this rank is the new rank 0): append to the run log,
+        after dropping a line the previous writer left half-written."""
+        if self.enabled:
+            return
+        self.enabled = True
+        if self.path is not None:
+            from .elastic import repair_run_log  # noqa: PLC0415 (elastic imports this module)
+
+            repair_run_log(self.path)
+            self._make_parents(self.path)
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (close())
+
     def _make_parents(self, path: Path) -> None:
         missing = [p for p in path.parents if not p.exists()]
         path.parent.mkdir(parents=True, exist_ok=True)

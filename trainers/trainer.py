@@ -233,7 +233,38 @@ class Trainer:
         eval_dataset: Dataset | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> dict[str, float]:
-        """Train until ``config.epochs`` (or ``config.max_steps``); returns the final metrics."""
+        """Train until ``config.epochs`` (or ``config.max_steps``); returns the final metrics.
+
+        A hook with ``recover(trainer, exc) -> bool`` (in-process recovery,
+        :class:`~trainers.elastic.ElasticState` under ``python -m trainers.elastic inproc``)
+        may take an exception out of the loop: when it answers True it has re-formed the
+        group and put the trainer back at a commit, and training goes on from there.
+        """
+        self._fit_start = time.perf_counter()  # the end record's total_time spans recoveries
+        while True:
+            try:
+                return self._fit_once(train_dataset, eval_dataset, collate_fn)
+            except Exception as exc:
+                recover = [h.recover for h in self.hooks if callable(getattr(h, "recover", None))]
+                if not any(r(self, exc) for r in recover):
+                    raise
+
+    def regroup(self) -> None:
+        """After the process group was re-formed (``self.env`` has its new rank and world
+        size): wrap the model for the new group again, rebuild an epoch schedule for the new
+        steps per epoch, and let the new rank 0 write the run log."""
+        self.forward_model = self.combiner.prepare(self.model, self.optimizer, self.env)
+        if self.schedule_config is not None:
+            self.lr_schedule = None  # rebuilt by fit for the new world size
+        if self.env.is_main and not self.logger.enabled:
+            self.logger.take_over()
+
+    def _fit_once(
+        self,
+        train_dataset: Dataset,
+        eval_dataset: Dataset | None,
+        collate_fn: Callable[[list[Any]], Any] | None,
+    ) -> dict[str, float]:
         cfg, env = self.config, self.env
         if self.schedule_config is not None and self.lr_schedule is None:
             self.lr_schedule = self._build_schedule(len(train_dataset))  # type: ignore[arg-type]
@@ -242,7 +273,6 @@ class Trainer:
         sampler = self._train_sampler(len(train_dataset))  # type: ignore[arg-type]
         self.train_sampler = sampler
         loader = self._loader(train_dataset, sampler, collate_fn, persistent=True)
-        fit_start = time.perf_counter()
         self._call_hooks("on_train_start")
 
         while self.epoch < cfg.epochs and not self._reached_max_steps():
@@ -364,7 +394,7 @@ class Trainer:
         self.combiner.close()  # background communication (async gossip) ends with fit
         if cfg.save_dir and not self._saved_at_current_step():
             self._save_named("latest.pt")
-        total_time = time.perf_counter() - fit_start
+        total_time = time.perf_counter() - self._fit_start
         final = dict(self.last_eval)
         for hook in self.hooks:
             more = getattr(hook, "final_metrics", None)
@@ -878,10 +908,14 @@ class Trainer:
         """
         self.load_state_dict(load_checkpoint(path), source=str(path))
 
-    def load_state_dict(self, state: Mapping[str, Any], *, source: str = "state") -> None:
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, source: str = "state", regrouped: bool = False
+    ) -> None:
         """Continue from a :meth:`state_dict` (or :meth:`local_state_dict`); see :meth:`resume`.
 
-        ``source`` names the state in error messages (the checkpoint path).
+        ``source`` names the state in error messages (the checkpoint path). ``regrouped``:
+        a :meth:`local_state_dict` of some member of a group that has since been re-formed
+        (in-process recovery): loaded as after a world-size change, from the parts it holds.
         """
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(
@@ -889,9 +923,9 @@ class Trainer:
                 f"reads format {CHECKPOINT_FORMAT}"
             )
         ranks = state["ranks"]
-        same_world = int(state["world_size"]) == self.env.world_size
+        same_world = int(state["world_size"]) == self.env.world_size and not regrouped
         own_part = same_world and ranks[self.env.rank] is not None
-        if any(r is None for r in ranks) and not own_part:
+        if any(r is None for r in ranks) and not own_part and not regrouped:
             raise ValueError(
                 f"{source!r} is a local_state_dict of another rank or world size; resume "
                 "from a state_dict() (a checkpoint) instead"
@@ -935,10 +969,11 @@ class Trainer:
             self._epoch_meter.load_state_dict(own["epoch_meter"])
         else:
             self.env.seed_everything(derive_seed(self.config.seed, self.global_step) % 2**31)
-            self.combiner.load_other_world([r["combiner"] for r in ranks])
+            parts = [r for r in ranks if r is not None]
+            self.combiner.load_other_world([r["combiner"] for r in parts])
             keep = self.env.is_main
-            self._interval.load_state_dict(_Meter.merged([r["interval"] for r in ranks], keep))
+            self._interval.load_state_dict(_Meter.merged([r["interval"] for r in parts], keep))
             self._epoch_meter.load_state_dict(
-                _Meter.merged([r["epoch_meter"] for r in ranks], keep)
+                _Meter.merged([r["epoch_meter"] for r in parts], keep)
             )
         self._last_saved_step = self.global_step

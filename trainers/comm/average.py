@@ -77,6 +77,7 @@ class AverageCombiner(DDPCombiner):
 
     summary = "gradients averaged by DistributedDataParallel"
     supports_tensor_parallel = True
+    regroups_in_process = True
 
     def __init__(self, options: Any = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)

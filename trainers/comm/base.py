@@ -136,6 +136,9 @@ class GradCombiner:
     # Whether the mode runs on a tensor-parallel model (DTensor parameters, trainers.parallel)
     # with a data-parallel view of the world (DistEnv.data_parallel).
     supports_tensor_parallel: bool = False
+    # Whether prepare() may be called again on a re-formed process group and the mode go on
+    # from a member's model and optimizer (in-process recovery, trainers.recovery).
+    regroups_in_process: bool = False
 
     @classmethod
     def is_deterministic(cls, options: Any) -> bool:
