@@ -7,7 +7,7 @@ asks a model's family for its blocks and layers) and two shared utilities (atomi
 C-kernel loader); ``tests/test_imports.py`` checks it.
 """
 
-from . import comm, elastic, optim, schedules
+from . import comm, optim, schedules
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .comm import (
     AverageCombiner,
@@ -26,6 +26,16 @@ from .tensorboard import TensorBoardSink
 from .trainer import Trainer, TrainerConfig
 
 apply_portable_mode()  # MODELZOO_PORTABLE=1 (scripts/publish.py --portable): oneDNN off
+
+
+def __getattr__(name: str) -> object:
+    # trainers.elastic on first use: imported eagerly, `python -m trainers.elastic` (the
+    # store, the launchers) would run a second copy of the module (runpy's RuntimeWarning).
+    if name == "elastic":
+        import importlib  # noqa: PLC0415
+
+        return importlib.import_module(".elastic", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "comm",

@@ -104,8 +104,8 @@ def is_peer_failure(exc: BaseException) -> bool:
 def parse_nodes(text: str) -> tuple[int, int]:
     """``"MIN:MAX"`` (or ``"N"``) -> ``(MIN, MAX)``; ``ValueError`` naming the value."""
     try:
-        low, _, high = text.partition(":")
-        lo, hi = int(low), int(high or low)
+        low, colon, high = text.partition(":")
+        lo, hi = int(low), int(high if colon else low)
     except ValueError:
         lo = hi = -1
     if not 1 <= lo <= hi:
@@ -185,7 +185,7 @@ class Membership:
                 f"`python -m trainers.elastic store --port {port}` on a host that stays up"
             ) from None
         self._base = base
-        self.store = dist.PrefixStore(f"{job}/", base)
+        self.store = dist.PrefixStore(job, base)
         self.id = int(self.store.add("next_id", 1))
         self.round: Round | None = None
         self.rounds_formed = 0
@@ -193,7 +193,7 @@ class Membership:
         self._stop = threading.Event()
         # The heartbeat has its own connection: a main thread blocked in a store call must
         # not stop it (nor the other way round).
-        self._beat_store = dist.PrefixStore(f"{job}/", base.clone())
+        self._beat_store = dist.PrefixStore(job, base.clone())
         self._beats = threading.Thread(target=self._beat, name="membership-heartbeat", daemon=True)
         self._beats.start()
 
@@ -340,7 +340,7 @@ class Membership:
         )
         dist.init_process_group(
             backend="gloo",
-            store=dist.PrefixStore(f"pg/{formed.number}/", self.store),
+            store=dist.PrefixStore(f"pg/{formed.number}", self.store),
             rank=formed.rank,
             world_size=formed.world_size,
             timeout=datetime.timedelta(seconds=timeout),

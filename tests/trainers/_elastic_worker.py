@@ -1,4 +1,5 @@
-"""One worker of the elastic tests in test_elastic.py (launched by torchrun agents).
+"""One worker of the elastic tests in test_elastic.py (launched by torchrun agents) and
+test_recovery.py (launched by ``python -m trainers.elastic inproc``).
 
 Usage: python -m torch.distributed.run ... -m tests.trainers._elastic_worker OUTDIR
 
@@ -8,7 +9,8 @@ Trains the toy MLP on a dataset whose samples carry their index, with an Elastic
 * ``OUTDIR/procs/<pid>.json``: rank, world size and the agent's pid (to kill a "node");
 * ``OUTDIR/observed/<run>.rank<r>.jsonl``: the ids train_step actually received per step;
 * ``OUTDIR/run.jsonl``: the run log (rank 0), appended to by later worker groups;
-* ``OUTDIR/final.json``: the last evaluation (rank 0, at the end).
+* ``OUTDIR/final.json``: the last evaluation (rank 0, at the end);
+* ``OUTDIR/procs/<pid>.final``: every process's final rank, step and a hash of its weights.
 
 Pacing: while ``OUTDIR/gate`` holds a number ``n``, no worker starts step ``n + 1`` (the test
 moves the gate, so the scenario does not depend on how loaded the machine is).
@@ -20,6 +22,7 @@ after writing ``OUTDIR/hanging.json``; the test then kills the node.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -162,6 +165,13 @@ def main(out: Path) -> None:
         train_set, eval_set = datasets()
         trainer.fit(train_set, eval_dataset=eval_set)
         logger.close()
+        digest = hashlib.sha256(
+            b"".join(p.detach().numpy().tobytes() for p in trainer.model.parameters())
+        )
+        (out / "procs" / f"{os.getpid()}.final").write_text(
+            json.dumps({"rank": env.rank, "world_size": env.world_size, "step": trainer.global_step,
+                        "params_sha256": digest.hexdigest()})
+        )  # fmt: skip
         if env.is_main:
             (out / "final.json").write_text(json.dumps(trainer.last_eval))
 
