@@ -37,6 +37,7 @@ def __getattr__(name: str) -> object:
         return importlib.import_module(".elastic", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = [
     "comm",
     "elastic",

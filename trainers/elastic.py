@@ -478,9 +478,15 @@ class ElasticState:
         self.regroups += 1
         if self._ledger_file is not None:  # when and how long, for bench_elastic.py
             self._ledger_write(
-                {"kind": "recovery", "run": self.run_id, "rank": trainer.env.rank,
-                 "reason": reason, "failed_at": failed_at, "phases": timing,
-                 "time": time.time()}  # fmt: skip
+                {
+                    "kind": "recovery",
+                    "run": self.run_id,
+                    "rank": trainer.env.rank,
+                    "reason": reason,
+                    "failed_at": failed_at,
+                    "phases": timing,
+                    "time": time.time(),
+                }
             )
         print(
             f"[recovery] rank {trainer.env.rank} of {trainer.env.world_size} goes on at step "
