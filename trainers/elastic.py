@@ -271,6 +271,9 @@ class ElasticState:
         # group is re-formed inside the running processes instead of by torchrun.
         self.membership = active_membership()
         self.regroups = 0  # in-process re-formations this process took part in
+        self._last_step_end: float | None = None  # the collectives' timeout (recovery.adapt)
+        self._step_intervals = 0
+        self._slowest = 0.0
         self.recoveries: list[dict[str, float]] = []  # their phases, in seconds
         if self.membership is not None:
             self._check_in_process()
@@ -432,6 +435,14 @@ class ElasticState:
 
     def on_step_end(self, trainer: Trainer, step: int) -> None:
         self._ledger_step(step)
+        if self.membership is not None:  # size the collectives' timeout from the steps
+            now = time.perf_counter()
+            if self._last_step_end is not None:
+                self._step_intervals += 1
+                if self._step_intervals > 2:  # after a newcomer's first (slow) steps
+                    self._slowest = max(self._slowest, now - self._last_step_end)
+                    self.membership.adapt(self._slowest)
+            self._last_step_end = now
         committed = bool(self.commit_steps) and step % self.commit_steps == 0
         if committed:
             self.commit()
@@ -529,8 +540,7 @@ class ElasticState:
         token = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}" if env.is_main else None
         self._start_generation(trainer.global_step, env.broadcast_object(token))
         self.commit()
-        assert self.membership is not None
-        self.membership.settle()
+        self._last_step_end, self._step_intervals = None, 0  # measured afresh (adapt)
         return {"transfer": sent, "restore": restored - start - sent}
 
     def _check_in_process(self) -> None:

@@ -175,14 +175,21 @@ def run_drill(
     python: str = sys.executable,
     work_dir: Path | None = None,
     log=print,
+    recovery: str = "restart",
 ) -> dict:
     """Run the drill (module docstring); returns what happened (times, steps, exit codes).
+
+    ``recovery="inproc"``: the nodes are members of a job that recovers in process
+    (``python -m trainers.elastic inproc``, :mod:`trainers.recovery`) instead of torchrun
+    agents that restart their workers.
 
     ``command`` is the training script and its flags; it must name ``--run-log`` and must
     not name ``--elastic-dir`` (the drill gives each run a fresh one).
     """
     if nodes < 3:
         raise DrillUsage(f"--nodes {nodes}: need at least 3 (the job keeps 2 after one dies)")
+    if recovery not in ("restart", "inproc"):
+        raise DrillUsage(f"--recovery {recovery!r}: restart or inproc")
     if not 0 <= kill_node < nodes:
         raise DrillUsage(f"--kill-node {kill_node}: must be in [0, {nodes - 1}]")
     if join_at_step is not None and join_at_step <= kill_at_step:
@@ -208,6 +215,9 @@ def run_drill(
             python, "-m", "torch.distributed.run", f"--nnodes=2:{nodes}", "--nproc-per-node=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=drill",
             "--max-restarts=5", "--monitor-interval=0.5", f"--rdzv-conf={rdzv_conf}", *worker,
+        ] if recovery == "restart" else [
+            python, "-m", "trainers.elastic", "inproc", f"--store=127.0.0.1:{port}",
+            "--job=drill", f"--nodes=2:{nodes}", *worker,
         ]  # fmt: skip
         out = open(work / f"agent{i}.log", "w")  # noqa: SIM115 (closed below)
         agent_logs.append(out)
@@ -518,6 +528,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole drill")
     p.add_argument("--rdzv-conf", default=RDZV_CONF, help="torchrun --rdzv-conf")
+    p.add_argument("--recovery", choices=("restart", "inproc"), default="restart",
+                   help="restart: torchrun agents restart every worker from state.pt (default); "
+                   "inproc: the survivors re-form the group in their processes "
+                   "(python -m trainers.elastic inproc)")  # fmt: skip
     lab = p.add_argument_group("--netlab: the lab network (trainers.netlab; needs root)")
     lab.add_argument("--netlab", action="store_true", help="run the nodes on the lab network")
     lab.add_argument("--bandwidth", default="1gbit", help="every node's link cap (none: uncapped)")
@@ -564,7 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run_drill(
             command, nodes=args.nodes, kill_at_step=args.kill_at_step,
             join_at_step=args.join_at_step, kill_node=args.kill_node, threads=args.threads,
-            timeout=args.timeout, rdzv_conf=args.rdzv_conf,
+            timeout=args.timeout, rdzv_conf=args.rdzv_conf, recovery=args.recovery,
         )  # fmt: skip
     except DrillUsage as e:
         print(f"elastic_drill: error: {e}", file=sys.stderr)

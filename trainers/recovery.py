@@ -3,8 +3,8 @@
 Under ``torchrun`` every membership change stops every worker and starts new processes, which
 re-import torch, rebuild the model and reload ``state.pt`` (``docs/elastic.md``: 11-27 s).
 Here the workers are ordinary processes that keep running: when a peer dies (its gloo
-connections reset) or is cut off (a collective times out after ``collective_timeout``
-seconds), the survivors agree on a new membership through a c10d store, destroy the broken
+connections reset) or is cut off (a collective times out after ten times the slowest
+step, at least 2 s), the survivors agree on a new membership through a c10d store, destroy the broken
 process group and create a new one (``torch.distributed.init_process_group`` with a
 ``PrefixStore`` per round: no key of an earlier round is ever read), go back to their last
 in-memory commit and continue. A new process joins the same way: it registers, the group
@@ -52,7 +52,6 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "DEFAULT_COLLECTIVE_TIMEOUT",
     "DEFAULT_HEARTBEAT_TIMEOUT",
     "ENV_JOB",
     "ENV_NODES",
@@ -71,7 +70,13 @@ ENV_NODES = "MODELZOO_RECOVERY_NODES"  # MIN:MAX processes
 ENV_COLLECTIVE_TIMEOUT = "MODELZOO_COLLECTIVE_TIMEOUT"
 ENV_LAST_CALL = "MODELZOO_RECOVERY_LAST_CALL"
 DEFAULT_HEARTBEAT_TIMEOUT = 1.0
-DEFAULT_COLLECTIVE_TIMEOUT = 10.0
+# The collectives' timeout, unless MODELZOO_COLLECTIVE_TIMEOUT fixes it: ADAPT_FACTOR times
+# the slowest step seen since the group formed (saves and evaluations included), at least
+# ADAPT_FLOOR; STARTUP_TIMEOUT until that is measured (a newcomer imports, builds its model
+# and traces its first step while the others wait in the first collectives).
+ADAPT_FACTOR = 10.0
+ADAPT_FLOOR = 2.0
+STARTUP_TIMEOUT = 300.0
 DEFAULT_LAST_CALL = 2.0
 _POLL = 0.02
 
@@ -148,8 +153,9 @@ class Membership:
         job: the job's name; every key lives under it.
         min_nodes, max_nodes: processes the group needs / takes at most.
         heartbeat_timeout: seconds without a heartbeat before a member counts as dead.
-        collective_timeout: the process groups' timeout: a partitioned peer makes a
-            collective fail after this long.
+        collective_timeout: the process groups' timeout (a partitioned peer makes a
+            collective fail after this long); ``None``: sized from the measured step time
+            (:meth:`adapt`).
         last_call: the first round waits this long after ``min_nodes`` for more.
         join_timeout: how long a round may wait for ``min_nodes``.
     """
@@ -163,7 +169,7 @@ class Membership:
         max_nodes: int,
         *,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
-        collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
+        collective_timeout: float | None = None,
         last_call: float = DEFAULT_LAST_CALL,
         join_timeout: float = 600.0,
     ) -> None:
@@ -172,7 +178,8 @@ class Membership:
         self.host, self.port, self.job = host, int(port), job
         self.min_nodes, self.max_nodes = int(min_nodes), int(max_nodes)
         self.heartbeat_timeout = float(heartbeat_timeout)
-        self.collective_timeout = float(collective_timeout)
+        self.collective_timeout = None if collective_timeout is None else float(collective_timeout)
+        self.timeout = STARTUP_TIMEOUT  # the current groups' timeout (seconds)
         self.last_call = float(last_call)
         self.join_timeout = float(join_timeout)
         try:
@@ -213,7 +220,11 @@ class Membership:
         return cls(
             host, int(port), job, lo, hi,
             heartbeat_timeout=_seconds(PEER_TIMEOUT_ENV, DEFAULT_HEARTBEAT_TIMEOUT),
-            collective_timeout=_seconds(ENV_COLLECTIVE_TIMEOUT, DEFAULT_COLLECTIVE_TIMEOUT),
+            collective_timeout=(
+                _seconds(ENV_COLLECTIVE_TIMEOUT, 1.0)
+                if os.environ.get(ENV_COLLECTIVE_TIMEOUT)
+                else None
+            ),
             last_call=_seconds(ENV_LAST_CALL, DEFAULT_LAST_CALL),
         )  # fmt: skip
 
@@ -321,23 +332,32 @@ class Membership:
             return True
         return now - last[1] < self.heartbeat_timeout
 
-    def settle(self) -> None:
-        """After the state was handed over: collectives time out after ``collective_timeout``
-        again (a round with newcomers starts with a long timeout: a newcomer builds its model
-        while the survivors wait in the first collective)."""
-        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.collective_timeout))
+    def adapt(self, slowest_step: float) -> float:
+        """Size the collectives' timeout from the slowest step seen (seconds, saves and
+        evaluations included): ``ADAPT_FACTOR`` x it, at least ``ADAPT_FLOOR``; or the fixed
+        ``collective_timeout``. Returns the timeout in force. A survivor whose peers do not
+        talk to it directly only learns of a death from this timeout (gloo's connections to
+        a failed group stay open while its objects live), so it bounds detection."""
+        if self.collective_timeout is not None:
+            wanted = self.collective_timeout
+        else:
+            wanted = max(ADAPT_FLOOR, ADAPT_FACTOR * slowest_step)
+        if abs(wanted - self.timeout) > 0.05 * self.timeout:
+            self._set_timeout(wanted)
+        return self.timeout
+
+    def _set_timeout(self, seconds: float) -> None:
+        self.timeout = float(seconds)
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.timeout))
 
     def _init_group(self, formed: Round) -> None:
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         previous = set(self._closed(formed.number - 1)) if formed.number > 1 else set()
-        newcomers = bool(set(formed.members) - previous)
-        timeout = (
-            max(self.collective_timeout, self.join_timeout)
-            if newcomers
-            else (self.collective_timeout)
-        )
+        if set(formed.members) - previous:  # newcomers: long until their first steps are done
+            self.timeout = max(STARTUP_TIMEOUT, self.collective_timeout or 0.0)
+        timeout = self.timeout  # else the survivors' measured one
         dist.init_process_group(
             backend="gloo",
             store=dist.PrefixStore(f"pg/{formed.number}", self.store),

@@ -183,7 +183,6 @@ class _Members:
             OMP_NUM_THREADS="1",
             PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
             MODELZOO_RECOVERY_LAST_CALL="5",  # the first round waits for the second member
-            MODELZOO_COLLECTIVE_TIMEOUT="3",  # a frozen member is given up after 3 s
             MODELZOO_PEER_TIMEOUT="1.5",  # heartbeat silence that counts as dead
         )
         self.members[name] = subprocess.Popen(
