@@ -436,7 +436,9 @@ class ElasticState:
     def on_step_end(self, trainer: Trainer, step: int) -> None:
         self._ledger_step(step)
         if self.membership is not None:  # size the collectives' timeout from the steps
-            now = time.perf_counter()
+            # (evaluations are left out: every rank evaluates its equal share, so they add
+            # no wait inside a collective; rank 0's saves are in, the others wait for them)
+            now = time.perf_counter() - trainer.paused_seconds
             if self._last_step_end is not None:
                 self._step_intervals += 1
                 if self._step_intervals > 2:  # after a newcomer's first (slow) steps

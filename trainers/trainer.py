@@ -413,6 +413,11 @@ class Trainer:
     # ======================================================================================
     # what hooks may call
     # ======================================================================================
+    @property
+    def paused_seconds(self) -> float:
+        """Seconds this fit spent evaluating and saving (left out of the measured speed)."""
+        return self._paused
+
     def add_hook(self, hook: Any) -> None:
         """Append ``hook`` (called after the hooks given at construction)."""
         self.hooks.append(hook)
@@ -939,7 +944,13 @@ class Trainer:
             from .parallel.tensor import shard_optimizer_state_
 
             shard_optimizer_state_(self.model, self.optimizer)
-        if state["lr_schedule"] is not None and self.schedule_config is not None:
+        # An elastic job reads its schedule at a position in steps of the current world
+        # (ElasticState.schedule_position), so after a world-size change the schedule must be
+        # the one fit builds for this world, not the saved one of the old world.
+        rescheduled = not same_world and any(hasattr(h, "schedule_position") for h in self.hooks)
+        if rescheduled and self.schedule_config is not None:
+            self._schedule_state = None  # the one fit built (or builds) for this world stays
+        elif state["lr_schedule"] is not None and self.schedule_config is not None:
             if self.lr_schedule is None:  # resumed before fit built it: loaded once it is
                 self._schedule_state = state["lr_schedule"]
             else:

@@ -96,6 +96,27 @@ def test_world_size_change_sets_ramp_schedule_offset_and_logs_membership(tmp_pat
         assert second.lr_at(step) == pytest.approx(lr_fn(position) * factor, rel=1e-12)
 
 
+def test_after_a_world_size_change_the_schedule_is_the_new_worlds(tmp_path):
+    """A schedule given in epochs is rebuilt for the new world (steps per epoch at its global
+    batch), not restored from the old world's checkpoint: the position the offset gives is in
+    steps of the current world (docs/elastic.md). Oracle: the schedule formula for the new
+    world's steps, read at step + offset."""
+    from trainers.schedules import LinearWarmupRatio, create_schedule
+
+    schedule = LinearWarmupRatio(0.2, 0.25)
+    first = _trainer(tmp_path, lr=schedule, epochs=4, max_steps=6)
+    ElasticState(first, tmp_path / "job", checkpoint_steps=3, ramp_steps=0, ledger=False)
+    first.fit(ToyDataset(48))  # 6 steps/epoch at world 1: 24 steps, warm-up 6
+    second = _trainer(tmp_path, lr=schedule, env=DistEnv(rank=0, world_size=2), epochs=4)
+    state = ElasticState(second, tmp_path / "job", ramp_steps=0, ledger=False)
+    _unfinish(tmp_path / "job")
+    second.lr_schedule = second._build_schedule(48)  # what fit does before it loads
+    assert state.load() and second.global_step == 6
+    new_world = create_schedule("linear", base_lr=0.2, total_steps=12, warmup_steps=3)
+    for step in range(6, 15):
+        assert second.lr_at(step) == pytest.approx(new_world(step - 3) * 2.0, rel=1e-12)
+
+
 def _unfinish(directory: Path) -> None:
     """Mark a finished job's state as resumable (to reuse it as a mid-run state)."""
     path = directory / "state.pt"
