@@ -240,6 +240,13 @@ class Trainer:
         may take an exception out of the loop: when it answers True it has re-formed the
         group and put the trainer back at a commit, and training goes on from there.
         """
+        from .recovery import active  # noqa: PLC0415 (recovery imports dist)
+
+        if active() is not None and not any(hasattr(h, "recover") for h in self.hooks):
+            raise UsageError(
+                "launched by python -m trainers.elastic inproc, but nothing recovers this fit: "
+                "give the script --elastic-dir DIR (an ElasticState), or launch it otherwise"
+            )
         self._fit_start = time.perf_counter()  # the end record's total_time spans recoveries
         while True:
             try:

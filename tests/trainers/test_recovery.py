@@ -158,6 +158,37 @@ def test_modes_that_cannot_regroup_are_refused(tmp_path, monkeypatch):
         ElasticState(trainer, tmp_path / "e", checkpoint_steps=2)
 
 
+def test_a_fit_nothing_recovers_is_refused_under_the_launcher(monkeypatch):
+    from tests.trainers._trainer_toys import ToyDataset, train_step
+    from trainers import recovery
+    from trainers.errors import UsageError
+
+    monkeypatch.setattr(recovery, "_ACTIVE", object())
+    model = make_mlp(seed=0)
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        TrainerConfig(epochs=1, batch_size=4, progress=False),
+        env=DistEnv(),
+        logger=RunLogger(None, enabled=False),
+        train_step=train_step,
+    )
+    with pytest.raises(UsageError, match="--elastic-dir"):
+        trainer.fit(ToyDataset(16))
+    assert trainer.global_step == 0
+
+
+def test_the_linear_learners_refuse_the_in_process_launcher(tmp_path, monkeypatch):
+    from trainers import recovery
+    from trainers.dist import UnsafeLaunchError
+    from trainers.linear.elastic import open_linear_elastic
+
+    monkeypatch.setattr(recovery, "_ACTIVE", object())
+    with pytest.raises(UnsafeLaunchError, match="trainers.elastic torchrun"):
+        open_linear_elastic(tmp_path / "e", DistEnv(), identity={"model": "x"})
+    assert not (tmp_path / "e").exists()
+
+
 # -- the job ------------------------------------------------------------------------------------
 class _Members:
     """Members of one in-process-recovering job on 127.0.0.1 (a store hosted here)."""

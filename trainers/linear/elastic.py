@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import load_checkpoint, save_checkpoint
-from ..dist import DistEnv, check_launch, peer_timeout, start_peer_watchdog
+from ..dist import DistEnv, UnsafeLaunchError, check_launch, peer_timeout, start_peer_watchdog
 from ..elastic import LEDGER_DIR, STATE_FILE, repair_run_log
 
 __all__ = ["FORMAT", "ElasticStateMismatch", "LinearElastic", "gather_rows", "open_linear_elastic"]
@@ -294,6 +294,13 @@ def open_linear_elastic(
         trainers.checkpoint.CheckpointError: the saved state is unreadable.
         trainers.dist.UnsafeLaunchError: the launcher's store is unsafe for restarts.
     """
+    from ..recovery import active  # noqa: PLC0415
+
+    if active() is not None:
+        raise UnsafeLaunchError(
+            "the linear learners do not recover in process (python -m trainers.elastic "
+            "inproc); launch them with python -m trainers.elastic torchrun"
+        )
     elastic = LinearElastic(directory, rank=env.rank, world_size=env.world_size,
                             identity=identity, checkpoint_steps=checkpoint_steps,
                             ledger=ledger, run_log=run_log)  # fmt: skip
