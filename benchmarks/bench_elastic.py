@@ -1,9 +1,19 @@
 """Elastic recovery time: from a worker's death to the first training step after it.
 
-Starts ``--nodes`` torchrun agents on 127.0.0.1 (one worker each, c10d rendezvous on a
-store this process hosts, ``--nnodes=2:N``), lets them train an MLP with a
-``trainers.elastic.ElasticState`` (checkpoint every 5 steps), SIGKILLs the last rank's
-worker and agent (a node dying) and reads the survivors' timestamps:
+``--recovery inproc`` (the default) starts ``--nodes`` members with ``python -m
+trainers.elastic inproc`` on 127.0.0.1 (a store this process hosts), lets them train an MLP
+with a ``trainers.elastic.ElasticState`` (commit every 5 steps), SIGKILLs the last rank and
+reads the survivors' ``recovery`` ledger records (``trainers.recovery``):
+
+* detect: the kill -> the survivors' collective fails;
+* agree: the new membership agreed in the store (the dead heartbeat must go stale);
+* process group + DDP: the new gloo group and ``DistributedDataParallel`` on it;
+* hand over state: the latest commit sent where missing, and loaded;
+* first step: -> the first optimizer step of the new group is done.
+
+``--recovery restart`` starts torchrun agents instead (one worker each, c10d rendezvous,
+``--nnodes=2:N``), SIGKILLs the last rank's worker and agent (a node dying) and reads the
+survivors' timestamps:
 
 * detect + rendezvous: the kill -> the new worker processes start (the agents notice the
   failure, stop the survivors, run a new rendezvous round, spawn);
@@ -15,9 +25,11 @@ worker and agent (a node dying) and reads the survivors' timestamps:
 
 ``--params-millions`` sizes the model (25 is about ResNet-50: a 200 MB state with momentum).
 There is no peer to run side by side: Horovod's elastic mode does not build against current
-torch (see DESIGN.md), so this prints the breakdown and ``restart_seconds=<total>`` last.
+torch (see DESIGN.md), so this prints the breakdown and ``recovery_seconds=<median total>``
+(``restart_seconds=`` for the restart path) last.
 
-    python benchmarks/bench_elastic.py [--nodes 3] [--repeats 2] [--params-millions 0.1]
+    python benchmarks/bench_elastic.py [--recovery inproc] [--nodes 3] [--repeats 5] \
+        [--params-millions 0.1]
 """
 
 from __future__ import annotations

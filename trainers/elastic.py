@@ -1,6 +1,10 @@
 """Elastic training: workers leave and join, training goes on, nothing is lost.
 
-The engine is ``torchrun``'s elastic agent (``--nnodes=MIN:MAX --max-restarts=R
+Two engines. Launched by ``python -m trainers.elastic inproc`` (:mod:`trainers.recovery`),
+the workers are plain processes that never restart: on a membership change the survivors
+re-form the process group and go on from their last in-memory commit (:meth:`ElasticState.
+recover`, called by :meth:`Trainer.fit`), and a newcomer receives the state from a member
+(docs/elastic.md). Otherwise the engine is ``torchrun``'s elastic agent (``--nnodes=MIN:MAX --max-restarts=R
 --rdzv-backend=c10d``). On any membership change (a worker dies, a node leaves, a node
 joins) the agents stop **every** worker and start new processes with new ``RANK`` and
 ``WORLD_SIZE``. Nothing held in a worker's memory survives that, so a worker group must come
