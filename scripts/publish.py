@@ -127,12 +127,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise SystemExit("--elastic-drill and --partition-drill: give one drill")
     partition = parse_partition_drill(args.partition_drill) if args.partition_drill else None
     drill = parse_drill(args.elastic_drill) if args.elastic_drill else None
+    if args.drill_recovery != "restart" and drill is None:
+        raise SystemExit("--drill-recovery: only with --elastic-drill")
     env = run_env(args.threads, native=args.native, portable=args.portable, root=REPO_ROOT)
     try:
         run_seeds(
             args.recipe, args.command, parse_seeds(args.seeds), out_dir, env=env,
             nproc=args.nproc_per_node, threads=args.threads, drill=drill,
             partition_drill=partition, bandwidth=args.drill_bandwidth, root=REPO_ROOT,
+            drill_recovery=args.drill_recovery,
         )  # fmt: skip
     except SeedFailed as e:
         print(f"publish.py: {e}", file=sys.stderr)
@@ -203,6 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--partition-drill", default=None, metavar="NODES:NODE:STEP:SECONDS",
                    help="run each seed under trainers.elastic_drill --netlab (root): NODES lab "
                    "nodes, NODE's cable pulled at step STEP for SECONDS")  # fmt: skip
+    r.add_argument("--drill-recovery", choices=("restart", "inproc"), default="restart",
+                   help="--elastic-drill: torchrun restarts the workers (restart), or the "
+                   "survivors recover in their processes (inproc: trainers.elastic inproc)")  # fmt: skip
     r.add_argument("--drill-bandwidth", default="1gbit",
                    help="--partition-drill: every lab node's link cap")  # fmt: skip
     r.add_argument("--native", action="store_true", help="no ISA pins (a check, not a publication)")

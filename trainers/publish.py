@@ -125,8 +125,11 @@ def seed_command(
     partition_drill: tuple[int, int, int, float] | None = None,
     bandwidth: str = "1gbit",
     threads: int = 1,
+    drill_recovery: str = "restart",
 ) -> list[str]:
-    """``command`` (script relative to the repository, then its flags) for one seed."""
+    """``command`` (script relative to the repository, then its flags) for one seed;
+    ``drill_recovery``: how the ``drill``'s job recovers (``restart``: torchrun; ``inproc``:
+    in the running processes, ``python -m trainers.elastic inproc``)."""
     if not command or not command[0].endswith(".py"):
         raise SystemExit(
             "give the training command after --, e.g. -- scripts/train_imagenet.py ..."
@@ -139,7 +142,8 @@ def seed_command(
         nodes, kill, join = drill
         launcher = [
             "-m", "trainers.elastic_drill", "--nodes", str(nodes), "--kill-at-step", str(kill),
-            "--join-at-step", str(join), "--threads", str(threads), "--",
+            "--join-at-step", str(join), "--threads", str(threads),
+            *(["--recovery", drill_recovery] if drill_recovery != "restart" else []), "--",
         ]  # fmt: skip
         return [python, *launcher, command[0], *args]
     if partition_drill is not None:
@@ -176,6 +180,7 @@ def run_seeds(
     bandwidth: str = "1gbit",
     python: str = sys.executable,
     root: Path = REPO_ROOT,
+    drill_recovery: str = "restart",
 ) -> None:
     """Run ``command`` (:func:`seed_command`) once per seed from ``root``, in ``env``
     (:func:`run_env`), into ``out_dir/seed<k>.jsonl``, printing each command and its time.
@@ -203,6 +208,7 @@ def run_seeds(
             drill=drill,
             partition_drill=partition_drill,
             bandwidth=bandwidth,
+            drill_recovery=drill_recovery,
         )
         print(f"[{recipe} seed {seed}] {' '.join(cmd)}", flush=True)
         start = time.perf_counter()

@@ -86,6 +86,14 @@ def test_seed_command_sets_seed_and_log_and_refuses_them_in_the_command():
         "--join-at-step", "70", "--threads", "1", "--", "scripts/t.py", "--seed", "1",
         "--run-log", "x.jsonl",
     ]  # fmt: skip
+    # the same drill with in-process recovery (python -m trainers.elastic inproc)
+    cmd = publish.seed_command(["scripts/t.py"], 1, Path("x.jsonl"), nproc=1, python="py",
+                               drill=drill, threads=1, drill_recovery="inproc")  # fmt: skip
+    assert cmd == [
+        "py", "-m", "trainers.elastic_drill", "--nodes", "3", "--kill-at-step", "30",
+        "--join-at-step", "70", "--threads", "1", "--recovery", "inproc", "--", "scripts/t.py",
+        "--seed", "1", "--run-log", "x.jsonl",
+    ]  # fmt: skip
     with pytest.raises(SystemExit, match="NODES:KILL_STEP:JOIN_STEP"):
         publish.parse_drill("3:30")
     # a partition drill on the lab network: 3 nodes, node 2 cut at step 10 for 90 s

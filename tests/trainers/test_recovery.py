@@ -138,6 +138,23 @@ def test_an_unreachable_store_is_named(tmp_path, monkeypatch):
         Membership("127.0.0.1", port, "job", 1, 2)
 
 
+def test_a_round_without_enough_members_fails_naming_the_job():
+    from trainers.recovery import Membership, RecoveryError
+
+    port = _free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    member = Membership("127.0.0.1", port, "lonely", 2, 4, join_timeout=1.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RecoveryError, match="round 1 of job 'lonely' did not gather 2"):
+            member.join()
+        assert 1.0 <= time.monotonic() - started < 30
+        assert member.round is None
+    finally:
+        member.leave()
+        del store
+
+
 def test_modes_that_cannot_regroup_are_refused(tmp_path, monkeypatch):
     from tests.trainers._trainer_toys import train_step
     from trainers import recovery
