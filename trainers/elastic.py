@@ -500,6 +500,9 @@ class ElasticState:
                     "run": self.run_id,
                     "rank": trainer.env.rank,
                     "reason": reason,
+                    "member": self.membership.id,
+                    # the lab node (trainers.netlab sets it), for the partition drill's timeline
+                    "node": _int_or_none(os.environ.get("MODELZOO_NETLAB_NODE")),
                     "failed_at": failed_at,
                     "phases": timing,
                     "time": time.time(),
@@ -671,6 +674,10 @@ class ElasticState:
         assert self._ledger_file is not None
         self._ledger_file.write(json.dumps(record, separators=(",", ":")) + "\n")
         self._ledger_file.flush()
+
+
+def _int_or_none(text: str | None) -> int | None:
+    return int(text) if text and text.isdigit() else None
 
 
 def _finished_during_this_launch(finished_at: float | None) -> bool:

@@ -345,8 +345,13 @@ def run_netlab_drill(
     work_dir: Path | None = None,
     name: str | None = None,
     log=print,
+    recovery: str = "restart",
 ) -> dict:
     """The drill on the lab network (module docstring); returns what happened.
+
+    ``recovery="inproc"``: the nodes run members that recover in process (``python -m
+    trainers.elastic inproc``) instead of torchrun agents; detection is then read from the
+    survivors' ``recovery`` ledger records.
 
     ``partition`` is ``(node, step, seconds)``, ``slow_node`` is ``(node, rate)``.
     ``share_store=True`` launches torchrun with its default shared worker store (and lets
@@ -367,6 +372,10 @@ def run_netlab_drill(
         raise DrillUsage(f"--min-nodes {min_nodes}: must be in [1, {nodes}]")
     if store_on not in ("control", "node0"):
         raise DrillUsage(f"--store-on {store_on}: give control or node0")
+    if recovery not in ("restart", "inproc"):
+        raise DrillUsage(f"--recovery {recovery!r}: restart or inproc")
+    if recovery == "inproc" and (store_on != "control" or share_store):
+        raise DrillUsage("--recovery inproc: the store is on the control host, never shared")
     if partition is not None and not 0 <= partition[0] < nodes:
         raise DrillUsage(f"--partition: node {partition[0]} is not in [0, {nodes - 1}]")
     if slow_node is not None and not 0 <= slow_node[0] < nodes:
@@ -402,6 +411,7 @@ def run_netlab_drill(
                     threads=threads, timeout=timeout, partition=cut, max_restarts=max_restarts,
                     log_dir=work / "agents", env=agent_env, log=log, share_store=share_store,
                     rdzv_on_control=store_on == "control",
+                    launcher="inproc" if recovery == "inproc" else "torchrun",
                 )  # fmt: skip
         except LabError as e:
             raise DrillError(f"--netlab: {e}") from None
@@ -462,6 +472,20 @@ def _check_ledger(elastic_dir: Path) -> dict:
     }
 
 
+def _ledger_records(elastic_dir: Path, kind: str) -> list[dict]:
+    ledger = elastic_dir / LEDGER_DIR
+    if not ledger.is_dir():
+        return []
+    out = []
+    for path in sorted(ledger.glob("*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                record = json.loads(line)
+                if record.get("kind") == kind:
+                    out.append(record)
+    return out
+
+
 def _timeline(elastic_dir: Path, agent_logs: Path, nodes: int, cut: dict | None) -> dict:
     """Detection, outage, rejoin and step times from the ledger, the watchdog's lines and the
     cut's wall-clock times (``None`` where the drill did not get that far)."""
@@ -493,6 +517,10 @@ def _timeline(elastic_dir: Path, agent_logs: Path, nodes: int, cut: dict | None)
             if match:
                 gave_up.append({"node": node, "rank": int(match.group(1)),
                                 "reason": match.group(2), "time": float(match.group(3))})  # fmt: skip
+    # In-process recovery: each survivor's recovery record says when its collective failed.
+    for record in _ledger_records(elastic_dir, "recovery"):
+        gave_up.append({"node": record.get("node"), "rank": record["rank"], "reason": record["reason"],
+                        "time": float(record["failed_at"])})  # fmt: skip
     out["gave_up"] = gave_up
     if not cut or "cut_at_time" not in cut:
         return out
@@ -564,7 +592,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 partition=parse_partition(args.partition) if args.partition else None,
                 slow_node=parse_slow_node(args.slow_node) if args.slow_node else None,
                 threads=args.threads, timeout=args.timeout, share_store=args.share_store,
-                store_on=args.store_on,
+                store_on=args.store_on, recovery=args.recovery,
             )  # fmt: skip
             print(_netlab_summary(result))
             return 0

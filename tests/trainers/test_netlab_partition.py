@@ -38,7 +38,7 @@ import trainers.dist as dist_module
 from tests.trainers import _elastic_worker as worker
 from trainers.dist import PEER_LOST_EXIT_CODE
 from trainers.elastic import _finished_during_this_launch, committed_samples
-from trainers.elastic_drill import _GAVE_UP, _ledger_starts, ledger_steps
+from trainers.elastic_drill import _GAVE_UP, _ledger_records, _ledger_starts, ledger_steps
 from trainers.netlab import Lab, missing_requirements, run_job
 
 WHY = missing_requirements()
@@ -119,6 +119,76 @@ def test_a_cut_node_is_dropped_in_seconds_and_rejoins_with_every_sample_once(tmp
     assert restarted and min(restarted) < PEER_TIMEOUT + 45, restarted  # seconds, not 30 min
 
     # Every sample of every epoch committed exactly once (drop_last=False: all of them).
+    epochs = committed_samples(out / "elastic")
+    assert sorted(epochs) == list(range(worker.EPOCHS))
+    for epoch, ids in epochs.items():
+        assert Counter(ids) == Counter(range(worker.NUM_SAMPLES)), f"epoch {epoch}"
+    sizes = [r["world_size"] for r in sorted(_steps(out), key=lambda r: r["time"])]
+    assert sizes[0] == NODES and NODES - 1 in sizes and sizes[-1] == NODES
+
+
+@pytest.mark.slow
+@pytest.mark.netlab
+@pytest.mark.skipif(WHY is not None, reason=f"netlab: {WHY}")
+def test_in_process_recovery_goes_on_without_a_cut_node_and_takes_it_back(tmp_path):
+    """The same cut with members that recover in process (python -m trainers.elastic inproc):
+    the survivors' collective times out (3 s, fixed here: the gate's holds would count as
+    slow steps), they re-form without the node in their running processes and go on; when
+    the link returns the node's own collective fails, it asks to come back and is admitted
+    at the next commit with the survivors' newer state."""
+    out = tmp_path / "job"
+    out.mkdir()
+    gate = out / "gate"
+    gate.write_text("4")
+    timeout = 3.0
+    env = dict(os.environ, MODELZOO_COLLECTIVE_TIMEOUT=str(timeout), MODELZOO_PEER_TIMEOUT="1.5",
+               MODELZOO_RECOVERY_LAST_CALL="10")  # fmt: skip
+    result: dict = {}
+    deadline = time.monotonic() + 110
+    script = str(Path(worker.__file__).resolve())
+    with Lab(NODES, bandwidth="1gbit", name=f"ti{os.getpid() % 100000}") as lab:
+
+        def job() -> None:
+            result["job"] = run_job(
+                lab, [script, str(out)], min_nodes=NODES - 1, timeout=105,
+                log_dir=tmp_path / "members", env=env, log=lambda _: None, launcher="inproc",
+            )  # fmt: skip
+
+        thread = threading.Thread(target=job, daemon=True)
+        thread.start()
+        _wait("step 4 on 3 nodes",
+              lambda: any(r["step"] == 4 and r["world_size"] == NODES for r in _steps(out)),
+              deadline, thread)  # fmt: skip
+        time.sleep(0.5)
+        lab.set_link(CUT_NODE, up=False)
+        cut_at = time.time()
+        gate.write_text("10")
+        _wait("a step on 2 nodes after the cut",
+              lambda: any(r["world_size"] == NODES - 1 and r["time"] > cut_at
+                          for r in _steps(out)),
+              deadline, thread)  # fmt: skip
+        lab.set_link(CUT_NODE, up=True)
+        up_at = time.time()
+        gate.unlink()  # on to the next commit, where the node is admitted again
+        _wait("the node back: a step on 3 nodes after the link returned",
+              lambda: any(r["world_size"] == NODES and r["time"] > up_at for r in _steps(out)),
+              deadline, thread)  # fmt: skip
+        thread.join(max(1.0, deadline - time.monotonic()))
+        assert not thread.is_alive(), "the job did not finish in time"
+
+    job_result = result["job"]
+    assert job_result.ok, (job_result.exit_codes, job_result.logs)
+    recoveries = [r for r in _ledger_records(out / "elastic", "recovery")]
+    survivors = [r for r in recoveries if r["node"] != CUT_NODE and r["failed_at"] > cut_at]
+    assert survivors, recoveries
+    # each survivor noticed at its collective's timeout (or at once, from a peer that had)
+    assert all(r["failed_at"] - cut_at <= timeout + 4 for r in survivors), survivors
+    first_without = min(r["time"] for r in _steps(out) if r["world_size"] == NODES - 1)
+    assert first_without - cut_at <= timeout + 10  # seconds, not a restart's tens
+    cut_node = [r for r in recoveries if r["node"] == CUT_NODE]
+    assert cut_node and all(r["phases"]["transfer"] > 0 for r in cut_node[-1:]), recoveries
+    # no process restarted: one ledger start per generation, the members' ids unchanged
+    assert {r["member"] for r in recoveries} <= {1, 2, 3}
     epochs = committed_samples(out / "elastic")
     assert sorted(epochs) == list(range(worker.EPOCHS))
     for epoch, ids in epochs.items():

@@ -155,6 +155,30 @@ def test_a_round_without_enough_members_fails_naming_the_job():
         del store
 
 
+def test_the_collective_timeout_follows_the_slowest_step(monkeypatch):
+    from trainers import recovery
+
+    set_to = []
+    monkeypatch.setattr(
+        torch.distributed.distributed_c10d, "_set_pg_timeout",
+        lambda timeout, group=None: set_to.append(timeout.total_seconds()),
+    )  # fmt: skip
+    port = _free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    member = recovery.Membership("127.0.0.1", port, "timeouts", 1, 2)
+    try:
+        assert member.timeout == recovery.STARTUP_TIMEOUT  # before any step is measured
+        assert member.adapt(0.05) == recovery.ADAPT_FLOOR  # 10 x 0.05 s is under the floor
+        assert member.adapt(0.6) == pytest.approx(6.0)  # ten times the slowest step
+        assert member.adapt(0.61) == pytest.approx(6.0)  # within 5 %: left as it is
+        assert set_to == [recovery.ADAPT_FLOOR, pytest.approx(6.0)]
+        member.collective_timeout = 3.0  # MODELZOO_COLLECTIVE_TIMEOUT=3
+        assert member.adapt(5.0) == 3.0
+    finally:
+        member.leave()
+        del store
+
+
 def test_modes_that_cannot_regroup_are_refused(tmp_path, monkeypatch):
     from tests.trainers._trainer_toys import train_step
     from trainers import recovery
@@ -231,6 +255,8 @@ class _Members:
             OMP_NUM_THREADS="1",
             PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
             MODELZOO_RECOVERY_LAST_CALL="5",  # the first round waits for the second member
+            # fixed: the gate's holds would count as slow steps for the adaptive timeout
+            MODELZOO_COLLECTIVE_TIMEOUT="3",  # a frozen member is given up after 3 s
             MODELZOO_PEER_TIMEOUT="1.5",  # heartbeat silence that counts as dead
         )
         self.members[name] = subprocess.Popen(

@@ -182,6 +182,7 @@ def run_job(
     env: dict[str, str] | None = None,
     log: Callable[[str], None] = print,
     share_store: bool = False,
+    launcher: str = "torchrun",
 ) -> JobResult:
     """Start ``command`` (a script and its flags) on every node of the running ``lab`` under
     torchrun and wait for it (module docstring). Returns per-node exit codes and bytes.
@@ -190,7 +191,9 @@ def run_job(
     the control host). Each agent's output goes to ``log_dir/node<i>.log`` (a temporary
     folder when ``None``, named in the result). ``share_store=True`` leaves torchrun's
     default (one worker store for every rendezvous round; unsafe, see docs/elastic.md): only
-    to reproduce that failure. The partition record carries the cut's and the reconnection's
+    to reproduce that failure. ``launcher="inproc"``: each node runs ``python -m
+    trainers.elastic inproc`` (members that recover in process, :mod:`trainers.recovery`)
+    instead of a torchrun agent; the job's store is on the control host. The partition record carries the cut's and the reconnection's
     wall-clock times (``cut_at_time``, ``up_at_time``) besides the seconds into the job.
     """
     if not lab.is_up:
@@ -200,6 +203,10 @@ def run_job(
     if partition is not None:
         lab._check_node(partition.node)
     cwd = Path.cwd() if cwd is None else Path(cwd)
+    if launcher not in ("torchrun", "inproc"):
+        raise ValueError(f"launcher {launcher!r}: torchrun or inproc")
+    if launcher == "inproc":
+        rdzv_on_control = True  # the members' store must outlive any node
     if rdzv_on_control is None:
         rdzv_on_control = (min_nodes is not None and min_nodes < lab.nodes) or (
             partition is not None and partition.node == 0
@@ -240,7 +247,12 @@ def run_job(
                 lab, node, command, nproc_per_node=nproc_per_node, min_nodes=min_nodes,
                 rdzv_on_control=rdzv_on_control, max_restarts=max_restarts, rdzv_id=rdzv_id,
                 python=python, extra_rdzv_conf=extra_rdzv_conf,
-            )  # fmt: skip
+            ) if launcher == "torchrun" else [
+                python, "-m", "trainers.elastic", "inproc",
+                f"--store={CONTROL_ADDRESS}:{RDZV_PORT}", f"--job={rdzv_id}",
+                f"--nodes={min_nodes or lab.nodes}:{lab.nodes}",
+                f"--nproc-per-node={nproc_per_node}", *command,
+            ]  # fmt: skip
             out = open(log_dir / f"node{node}.log", "w", encoding="utf-8")  # noqa: SIM115
             outs.append(out)
             procs.append(lab.popen(node, argv, env=lab.node_env(node, base), cwd=cwd, stdout=out,
