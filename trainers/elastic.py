@@ -569,6 +569,8 @@ class ElasticState:
             raise ValueError("in-process recovery needs commits: commit_steps must be > 0")
 
     def on_train_end(self, trainer: Trainer, metrics: Mapping[str, float]) -> None:
+        if self.membership is not None:  # a death during the final save: back to the end
+            self.commit()
         self.finished = True
         self.finished_at = time.time()
         self.save()

@@ -82,8 +82,8 @@ _POLL = 0.02
 
 # What a collective raises when a peer is gone: gloo's transport errors and timeouts.
 _PEER_FAILURE = re.compile(
-    r"Connection (reset|closed|refused)|Broken pipe|Read error|Write error|Timed out|"
-    r"timed out|connectFullMesh|NCCL communicator was aborted|has been aborted|"
+    r"Connection (reset|closed|refused)|Broken pipe|Read error|Write error|"
+    r"Timed out waiting \d+ ?ms for (recv|send)|connectFullMesh|"
     r"process group .*(destroyed|aborted)",
 )
 

@@ -7,7 +7,7 @@ gradient clipping, data-parallel averaging through a pluggable :class:`GradCombi
 evaluation, throughput measurement, run logs, and checkpoints from which a run continues
 bit-for-bit on CPU.
 
-(Why one module of about 940 lines, over the project's 800: the loop, its step count and
+(Why one module of about 1000 lines, over the project's 800: the loop, its step count and
 schedule, its checkpoint state and its evaluation share one set of invariants (step and
 sample counters, the samplers, the meters, the RNG states, the schedule built from the data's
 size) that a resume must restore together; what does not share them lives elsewhere: the
@@ -210,6 +210,7 @@ class Trainer:
         self.last_epoch: dict[str, float] = {}
 
         self._stop_requested = False  # set by request_stop(): fit ends before the next step
+        self._ended_at_step: int | None = None  # the step of the end record, once written
         # The lr each group had at construction (divided by its lr_scale): the base that
         # hooks' lr factors multiply when there is no schedule.
         self._base_lr = float(optimizer.param_groups[0]["lr"]) / optimizer.param_groups[0].get(
@@ -411,9 +412,11 @@ class Trainer:
             final["train_loss"] = self.last_epoch["loss"]
         if cfg.skip_nonfinite:
             final["nonfinite_steps_skipped"] = len(self.nonfinite_skipped)
-        self.logger.end(
-            total_time=total_time, steps=self.global_step, epochs=self._epochs_done(), **final
-        )
+        if self._ended_at_step != self.global_step:  # once, also if a recovery redoes the end
+            self.logger.end(
+                total_time=total_time, steps=self.global_step, epochs=self._epochs_done(), **final
+            )
+            self._ended_at_step = self.global_step
         self._call_hooks("on_train_end", final)
         return final
 

@@ -46,6 +46,7 @@ def test_peer_failures_are_told_from_bugs():
     assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_peer_failure(ValueError("Connection reset by peer"))  # not a collective's
     assert not is_peer_failure(KeyError("weight"))
+    assert not is_peer_failure(RuntimeError("DataLoader timed out after 30 seconds"))
 
 
 @pytest.mark.parametrize("text, want", [("2:4", (2, 4)), ("3", (3, 3)), ("1:1", (1, 1))])
