@@ -110,36 +110,48 @@ def _read(paths) -> list[dict]:
     return records
 
 
-def one_restart(nodes: int, params_millions: float, timeout: float = 300) -> dict[str, float]:
-    out = Path(tempfile.mkdtemp(prefix="bench_elastic_"))
-    port = _free_port()
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+def _launch(out: Path, cmd: list[str], copies: int, name: str) -> list[subprocess.Popen]:
+    """``copies`` processes of ``cmd`` (1 thread each, this checkout first on the path),
+    each in its own session, output in ``out/<name><i>.log``."""
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    agents = []
-    for i in range(nodes):
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nnodes=2:{nodes}",
-            "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=bench", "--max-restarts=3", "--monitor-interval=0.1",
-            f"--rdzv-conf={RDZV_CONF}", __file__, "--worker", str(out),
-            "--params-millions", str(params_millions),
-        ]  # fmt: skip
-        log = open(out / f"agent{i}.log", "w")  # noqa: SIM115
-        agents.append(
+    procs = []
+    for i in range(copies):
+        log = open(out / f"{name}{i}.log", "w")  # noqa: SIM115
+        procs.append(
             subprocess.Popen(
                 cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         )
-    ledger = out / "elastic" / "ledger"
+    return procs
 
+
+def _waiter(out: Path, timeout: float):
     def wait(what, predicate):
         deadline = time.monotonic() + timeout
         while not predicate():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"waiting for {what}; see {out}")
             time.sleep(0.05)
+
+    return wait
+
+
+def one_restart(nodes: int, params_millions: float, timeout: float = 300) -> dict[str, float]:
+    out = Path(tempfile.mkdtemp(prefix="bench_elastic_"))
+    port = _free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes=2:{nodes}",
+        "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=bench", "--max-restarts=3", "--monitor-interval=0.1",
+        f"--rdzv-conf={RDZV_CONF}", __file__, "--worker", str(out),
+        "--params-millions", str(params_millions),
+    ]  # fmt: skip
+    agents = _launch(out, cmd, nodes, "agent")
+    ledger = out / "elastic" / "ledger"
+    wait = _waiter(out, timeout)
 
     def steps():
         return [r for r in _read(ledger.glob("*.jsonl")) if r["kind"] == "step"]
@@ -185,30 +197,14 @@ def one_recovery(nodes: int, params_millions: float, timeout: float = 300) -> di
     out = Path(tempfile.mkdtemp(prefix="bench_elastic_inproc_"))
     port = _free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    root = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    members = []
-    for i in range(nodes):
-        cmd = [
-            sys.executable, "-m", "trainers.elastic", "inproc", f"--store=127.0.0.1:{port}",
-            "--job=bench", f"--nodes=2:{nodes}", __file__, "--worker", str(out),
-            "--params-millions", str(params_millions),
-        ]  # fmt: skip
-        log = open(out / f"member{i}.log", "w")  # noqa: SIM115
-        members.append(
-            subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        )
+    cmd = [
+        sys.executable, "-m", "trainers.elastic", "inproc", f"--store=127.0.0.1:{port}",
+        "--job=bench", f"--nodes=2:{nodes}", __file__, "--worker", str(out),
+        "--params-millions", str(params_millions),
+    ]  # fmt: skip
+    members = _launch(out, cmd, nodes, "member")
     ledger = out / "elastic" / "ledger"
-
-    def wait(what, predicate):
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"waiting for {what}; see {out}")
-            time.sleep(0.05)
+    wait = _waiter(out, timeout)
 
     def records(kind):
         return [r for r in _read(ledger.glob("*.jsonl")) if r["kind"] == kind]

@@ -448,21 +448,26 @@ def test_previous_checkpoint_loads_intact_after_a_kill_mid_write(elastic_job):
     assert last_change["restored_step"] == elastic_job["intact_step"]
 
 
-@pytest.mark.dist
-def test_each_sample_is_used_exactly_once_per_epoch(elastic_job):
-    out = elastic_job["out"]
+def check_ledger(out: Path, ledger: list[dict]) -> None:
+    """Every sample of every epoch committed exactly once (the worker's dataset, drop_last
+    off), and each ledger step's ids what train_step really received (the worker's own
+    ``observed`` files)."""
     samples = committed_samples(out / "elastic")
     assert sorted(samples) == list(range(worker.EPOCHS))
     for epoch, ids in samples.items():
         assert sorted(ids) == list(range(worker.NUM_SAMPLES)), f"epoch {epoch}"
-    # The ledger says what train_step really received.
     observed = {}
     for path in (out / "observed").glob("*.jsonl"):
         run, rank = path.stem.rsplit(".rank", 1)
         for r in _records(path):
             observed.setdefault((run, int(rank), r["step"]), []).extend(r["ids"])
-    for r in elastic_job["ledger"]:
+    for r in ledger:
         assert observed[(r["run"], r["rank"], r["step"])] == r["ids"]
+
+
+@pytest.mark.dist
+def test_each_sample_is_used_exactly_once_per_epoch(elastic_job):
+    check_ledger(elastic_job["out"], elastic_job["ledger"])
     assert {r["world_size"] for r in elastic_job["ledger"]} == {2, 3}
 
 

@@ -57,24 +57,28 @@ def _steps(out: Path) -> list[dict]:
     return ledger_steps(out / "elastic") if (out / "elastic").is_dir() else []
 
 
-@pytest.mark.slow
-@pytest.mark.netlab
-@pytest.mark.skipif(WHY is not None, reason=f"netlab: {WHY}")
-def test_a_cut_node_is_dropped_in_seconds_and_rejoins_with_every_sample_once(tmp_path):
+def _cut_drill(tmp_path: Path, env: dict, name: str, launcher: str) -> tuple[Path, object, float]:
+    """The scenario of both drills: 3 lab nodes run the gated worker; at step 4 node
+    CUT_NODE's cable is pulled; the survivors may go on to step 10; once they train without
+    it the cable is plugged back and the job runs to its end. Returns the job's folder, its
+    run_job result and the cut's wall-clock time."""
     out = tmp_path / "job"
     out.mkdir()
     gate = out / "gate"
     gate.write_text("4")  # no worker starts step 5 until the test says so
-    env = dict(os.environ, MODELZOO_PEER_TIMEOUT=str(PEER_TIMEOUT))
     result: dict = {}
     deadline = time.monotonic() + 110
-    with Lab(NODES, bandwidth="1gbit", name=f"tp{os.getpid() % 100000}") as lab:
+    command = (
+        ["-m", "tests.trainers._elastic_worker", str(out)]
+        if launcher == "torchrun"
+        else [str(Path(worker.__file__).resolve()), str(out)]  # inproc runs a script file
+    )
+    with Lab(NODES, bandwidth="1gbit", name=f"{name}{os.getpid() % 100000}") as lab:
 
         def job() -> None:
             result["job"] = run_job(
-                lab, ["-m", "tests.trainers._elastic_worker", str(out)], min_nodes=NODES - 1,
-                timeout=105, log_dir=tmp_path / "agents", env=env, log=lambda _: None,
-                max_restarts=3,
+                lab, command, min_nodes=NODES - 1, timeout=105, log_dir=tmp_path / "agents",
+                env=env, log=lambda _: None, max_restarts=3, launcher=launcher,
             )  # fmt: skip
 
         thread = threading.Thread(target=job, daemon=True)
@@ -85,21 +89,40 @@ def test_a_cut_node_is_dropped_in_seconds_and_rejoins_with_every_sample_once(tmp
         time.sleep(0.5)  # everyone waits at the gate, heartbeats going
         lab.set_link(CUT_NODE, up=False)
         cut_at = time.time()
-        gate.write_text("10")  # the survivors may go on (from the checkpoint at step 4) to 10
+        gate.write_text("10")  # the survivors may go on (from the commit at step 4) to 10
         _wait("a step on 2 nodes after the cut",
               lambda: any(r["world_size"] == NODES - 1 and r["time"] > cut_at
                           for r in _steps(out)),
               deadline, thread)  # fmt: skip
         lab.set_link(CUT_NODE, up=True)
         up_at = time.time()
+        # in process, the node is admitted at the survivors' next commit: let them reach it
+        if launcher == "inproc":
+            gate.unlink()
         _wait("the node back: a step on 3 nodes after the link returned",
               lambda: any(r["world_size"] == NODES and r["time"] > up_at for r in _steps(out)),
               deadline, thread)  # fmt: skip
-        gate.unlink()  # run to the end
+        gate.unlink(missing_ok=True)  # run to the end
         thread.join(max(1.0, deadline - time.monotonic()))
         assert not thread.is_alive(), "the job did not finish in time"
+    return out, result["job"], cut_at
 
-    job_result = result["job"]
+
+def _check_every_sample_once(out: Path) -> None:
+    epochs = committed_samples(out / "elastic")
+    assert sorted(epochs) == list(range(worker.EPOCHS))
+    for epoch, ids in epochs.items():
+        assert Counter(ids) == Counter(range(worker.NUM_SAMPLES)), f"epoch {epoch}"
+    sizes = [r["world_size"] for r in sorted(_steps(out), key=lambda r: r["time"])]
+    assert sizes[0] == NODES and NODES - 1 in sizes and sizes[-1] == NODES
+
+
+@pytest.mark.slow
+@pytest.mark.netlab
+@pytest.mark.skipif(WHY is not None, reason=f"netlab: {WHY}")
+def test_a_cut_node_is_dropped_in_seconds_and_rejoins_with_every_sample_once(tmp_path):
+    env = dict(os.environ, MODELZOO_PEER_TIMEOUT=str(PEER_TIMEOUT))
+    out, job_result, cut_at = _cut_drill(tmp_path, env, "tp", "torchrun")
     assert job_result.ok, (job_result.exit_codes, job_result.logs)
 
     # The cut node and at least one survivor gave up by the watchdog within its timeout of
@@ -119,12 +142,7 @@ def test_a_cut_node_is_dropped_in_seconds_and_rejoins_with_every_sample_once(tmp
     assert restarted and min(restarted) < PEER_TIMEOUT + 45, restarted  # seconds, not 30 min
 
     # Every sample of every epoch committed exactly once (drop_last=False: all of them).
-    epochs = committed_samples(out / "elastic")
-    assert sorted(epochs) == list(range(worker.EPOCHS))
-    for epoch, ids in epochs.items():
-        assert Counter(ids) == Counter(range(worker.NUM_SAMPLES)), f"epoch {epoch}"
-    sizes = [r["world_size"] for r in sorted(_steps(out), key=lambda r: r["time"])]
-    assert sizes[0] == NODES and NODES - 1 in sizes and sizes[-1] == NODES
+    _check_every_sample_once(out)
 
 
 @pytest.mark.slow
@@ -136,47 +154,10 @@ def test_in_process_recovery_goes_on_without_a_cut_node_and_takes_it_back(tmp_pa
     slow steps), they re-form without the node in their running processes and go on; when
     the link returns the node's own collective fails, it asks to come back and is admitted
     at the next commit with the survivors' newer state."""
-    out = tmp_path / "job"
-    out.mkdir()
-    gate = out / "gate"
-    gate.write_text("4")
     timeout = 3.0
     env = dict(os.environ, MODELZOO_COLLECTIVE_TIMEOUT=str(timeout), MODELZOO_PEER_TIMEOUT="1.5",
                MODELZOO_RECOVERY_LAST_CALL="10")  # fmt: skip
-    result: dict = {}
-    deadline = time.monotonic() + 110
-    script = str(Path(worker.__file__).resolve())
-    with Lab(NODES, bandwidth="1gbit", name=f"ti{os.getpid() % 100000}") as lab:
-
-        def job() -> None:
-            result["job"] = run_job(
-                lab, [script, str(out)], min_nodes=NODES - 1, timeout=105,
-                log_dir=tmp_path / "members", env=env, log=lambda _: None, launcher="inproc",
-            )  # fmt: skip
-
-        thread = threading.Thread(target=job, daemon=True)
-        thread.start()
-        _wait("step 4 on 3 nodes",
-              lambda: any(r["step"] == 4 and r["world_size"] == NODES for r in _steps(out)),
-              deadline, thread)  # fmt: skip
-        time.sleep(0.5)
-        lab.set_link(CUT_NODE, up=False)
-        cut_at = time.time()
-        gate.write_text("10")
-        _wait("a step on 2 nodes after the cut",
-              lambda: any(r["world_size"] == NODES - 1 and r["time"] > cut_at
-                          for r in _steps(out)),
-              deadline, thread)  # fmt: skip
-        lab.set_link(CUT_NODE, up=True)
-        up_at = time.time()
-        gate.unlink()  # on to the next commit, where the node is admitted again
-        _wait("the node back: a step on 3 nodes after the link returned",
-              lambda: any(r["world_size"] == NODES and r["time"] > up_at for r in _steps(out)),
-              deadline, thread)  # fmt: skip
-        thread.join(max(1.0, deadline - time.monotonic()))
-        assert not thread.is_alive(), "the job did not finish in time"
-
-    job_result = result["job"]
+    out, job_result, cut_at = _cut_drill(tmp_path, env, "ti", "inproc")
     assert job_result.ok, (job_result.exit_codes, job_result.logs)
     recoveries = [r for r in _ledger_records(out / "elastic", "recovery")]
     survivors = [r for r in recoveries if r["node"] != CUT_NODE and r["failed_at"] > cut_at]
@@ -189,12 +170,7 @@ def test_in_process_recovery_goes_on_without_a_cut_node_and_takes_it_back(tmp_pa
     assert cut_node and all(r["phases"]["transfer"] > 0 for r in cut_node[-1:]), recoveries
     # no process restarted: one ledger start per generation, the members' ids unchanged
     assert {r["member"] for r in recoveries} <= {1, 2, 3}
-    epochs = committed_samples(out / "elastic")
-    assert sorted(epochs) == list(range(worker.EPOCHS))
-    for epoch, ids in epochs.items():
-        assert Counter(ids) == Counter(range(worker.NUM_SAMPLES)), f"epoch {epoch}"
-    sizes = [r["world_size"] for r in sorted(_steps(out), key=lambda r: r["time"])]
-    assert sizes[0] == NODES and NODES - 1 in sizes and sizes[-1] == NODES
+    _check_every_sample_once(out)
 
 
 # -- launch safety and the peer watchdog ---------------------------------------------------------

@@ -27,9 +27,9 @@ import torch
 from tests._tiers import slow_fixture
 from tests.trainers import _elastic_worker as worker
 from tests.trainers._trainer_toys import make_mlp
-from tests.trainers.test_elastic import REPO, _free_port, _records
+from tests.trainers.test_elastic import REPO, _free_port, _records, check_ledger
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
-from trainers.elastic import ElasticState, LRRamp, committed_samples
+from trainers.elastic import ElasticState, LRRamp
 from trainers.recovery import MembershipChange, is_peer_failure, parse_nodes
 
 
@@ -180,22 +180,26 @@ def test_the_collective_timeout_follows_the_slowest_step(monkeypatch):
         del store
 
 
-def test_modes_that_cannot_regroup_are_refused(tmp_path, monkeypatch):
-    from tests.trainers._trainer_toys import train_step
-    from trainers import recovery
-    from trainers.comm import LocalSGDCombiner
-
-    monkeypatch.setattr(recovery, "_ACTIVE", object())  # as if launched by inproc
+def _toy_trainer(train_step, **kwargs) -> Trainer:
     model = make_mlp(seed=0)
-    trainer = Trainer(
+    return Trainer(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
         TrainerConfig(epochs=1, batch_size=4, progress=False),
         env=DistEnv(),
         logger=RunLogger(None, enabled=False),
         train_step=train_step,
-        combiner=LocalSGDCombiner(),
+        **kwargs,
     )
+
+
+def test_modes_that_cannot_regroup_are_refused(tmp_path, monkeypatch):
+    from tests.trainers._trainer_toys import train_step
+    from trainers import recovery
+    from trainers.comm import LocalSGDCombiner
+
+    monkeypatch.setattr(recovery, "_ACTIVE", object())  # as if launched by inproc
+    trainer = _toy_trainer(train_step, combiner=LocalSGDCombiner())
     with pytest.raises(ValueError, match="does not re-form --grad-combine localsgd"):
         ElasticState(trainer, tmp_path / "e", checkpoint_steps=2)
 
@@ -206,15 +210,7 @@ def test_a_fit_nothing_recovers_is_refused_under_the_launcher(monkeypatch):
     from trainers.errors import UsageError
 
     monkeypatch.setattr(recovery, "_ACTIVE", object())
-    model = make_mlp(seed=0)
-    trainer = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        TrainerConfig(epochs=1, batch_size=4, progress=False),
-        env=DistEnv(),
-        logger=RunLogger(None, enabled=False),
-        train_step=train_step,
-    )
+    trainer = _toy_trainer(train_step)
     with pytest.raises(UsageError, match="--elastic-dir"):
         trainer.fit(ToyDataset(16))
     assert trainer.global_step == 0
@@ -386,18 +382,7 @@ def test_members_finish_after_a_join_a_death_and_a_freeze(inproc_job):
 
 @pytest.mark.dist
 def test_each_sample_is_committed_exactly_once_per_epoch(inproc_job):
-    out = inproc_job["out"]
-    samples = committed_samples(out / "elastic")
-    assert sorted(samples) == list(range(worker.EPOCHS))
-    for epoch, ids in samples.items():
-        assert sorted(ids) == list(range(worker.NUM_SAMPLES)), f"epoch {epoch}"
-    observed = {}
-    for path in (out / "observed").glob("*.jsonl"):
-        run, rank = path.stem.rsplit(".rank", 1)
-        for r in _records(path):
-            observed.setdefault((run, int(rank), r["step"]), []).extend(r["ids"])
-    for r in inproc_job["ledger"]:
-        assert observed[(r["run"], r["rank"], r["step"])] == r["ids"]
+    check_ledger(inproc_job["out"], inproc_job["ledger"])
     assert {r["world_size"] for r in inproc_job["ledger"]} == {1, 2, 3}
 
 
