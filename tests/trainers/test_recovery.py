@@ -12,14 +12,12 @@ the end, and the held-out accuracy of the same recipe run uninterrupted.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +25,7 @@ import torch
 from tests._tiers import slow_fixture
 from tests.trainers import _elastic_worker as worker
 from tests.trainers._trainer_toys import make_mlp
-from tests.trainers.test_elastic import REPO, _free_port, _records, check_ledger
+from tests.trainers.test_elastic import REPO, _free_port, _Job, _records, check_ledger
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
 from trainers.elastic import ElasticState, LRRamp
 from trainers.recovery import MembershipChange, is_peer_failure, parse_nodes
@@ -228,18 +226,9 @@ def test_the_linear_learners_refuse_the_in_process_launcher(tmp_path, monkeypatc
 
 
 # -- the job ------------------------------------------------------------------------------------
-class _Members:
-    """Members of one in-process-recovering job on 127.0.0.1 (a store hosted here)."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.port = _free_port()
-        self.store = torch.distributed.TCPStore(
-            "127.0.0.1", self.port, is_master=True, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=60),
-        )  # fmt: skip
-        self.members: dict[str, subprocess.Popen] = {}
-        self.killed: set[str] = set()
+class _Members(_Job):
+    """Members of one in-process-recovering job on 127.0.0.1 (test_elastic's job, with
+    ``python -m trainers.elastic inproc`` in place of torchrun agents)."""
 
     def start(self, name: str) -> None:
         cmd = [
@@ -256,8 +245,8 @@ class _Members:
             MODELZOO_COLLECTIVE_TIMEOUT="3",  # a frozen member is given up after 3 s
             MODELZOO_PEER_TIMEOUT="1.5",  # heartbeat silence that counts as dead
         )
-        self.members[name] = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=open(self.out / f"member_{name}.log", "w"),  # noqa: SIM115
+        self.agents[name] = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=open(self.out / f"agent_{name}.log", "w"),  # noqa: SIM115
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 
@@ -267,13 +256,9 @@ class _Members:
         return self.store.check([f"recovery-test/round/{gen + 1}/arrived"])
 
     def pid_of(self, name: str) -> int:
-        return self.members[name].pid  # the launcher exec()s the script: the same process
+        return self.agents[name].pid  # the launcher exec()s the script: the same process
 
-    def gate(self, step: int) -> None:
-        (self.out / "gate.tmp").write_text(str(step))
-        os.replace(self.out / "gate.tmp", self.out / "gate")
-
-    def ledger(self, kind: str = "step") -> list[dict]:
+    def records(self, kind: str) -> list[dict]:
         return [
             r
             for p in (self.out / "elastic" / "ledger").glob("*.jsonl")
@@ -281,36 +266,12 @@ class _Members:
             if r["kind"] == kind
         ]
 
-    def reached(self, step: int, world_size: int) -> bool:
-        return any(r["step"] >= step and r["world_size"] == world_size for r in self.ledger())
-
-    def wait_for(self, what: str, predicate, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return
-            failed = {n: m.returncode for n, m in self.members.items() if m.poll() not in (None, 0)}
-            for name in self.killed:
-                failed.pop(name, None)
-            if failed:
-                raise AssertionError(f"members failed waiting for {what}: {failed}\n{self.logs()}")
-            time.sleep(0.1)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.logs()}")
-
-    def logs(self) -> str:
-        return "\n".join(
-            f"--- member {n}:\n" + (self.out / f"member_{n}.log").read_text()[-3000:]
-            for n in self.members
-        )
-
     def cleanup(self) -> None:
-        for member in self.members.values():
+        for member in self.agents.values():  # a frozen member takes SIGKILL as well
             if member.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(member.pid, signal.SIGCONT)
-                    os.killpg(member.pid, signal.SIGKILL)
-                member.wait()
-        del self.store
+        super().cleanup()
 
 
 @slow_fixture(scope="module")
@@ -331,14 +292,14 @@ def inproc_job(tmp_path_factory):
         # steps: the survivors fail in the next step's all-reduce.
         procs = [json.loads(p.read_text()) for p in (out / "procs").glob("*.json")]
         rank0 = next(p["pid"] for p in procs if p["rank"] == 0)
-        victim = next(n for n in job.members if job.pid_of(n) == rank0)
-        job.killed.add(victim)
+        victim = next(n for n in job.agents if job.pid_of(n) == rank0)
+        job.killed = victim  # test_elastic's _Job: a failure after this is not reported
         os.kill(rank0, signal.SIGKILL)
-        job.members[victim].wait()
+        job.agents[victim].wait()
         result["killed"] = victim
         job.gate(24)
         job.wait_for("step 24 at world size 2", lambda: job.reached(24, world_size=2))
-        left = [n for n in job.members if n != victim]
+        left = [n for n in job.agents if n != victim]
         frozen, survivor = left[1], left[0]
         os.kill(job.pid_of(frozen), signal.SIGSTOP)  # cut off: no heartbeat, no collective
         job.gate(32)
@@ -346,11 +307,11 @@ def inproc_job(tmp_path_factory):
         os.kill(job.pid_of(frozen), signal.SIGCONT)  # back: it rejoins as a newcomer
         job.gate(10**6)
         for name in left:
-            job.members[name].wait(timeout=240)
-        result["returncodes"] = {n: job.members[n].returncode for n in left}
+            job.agents[name].wait(timeout=240)
+        result["returncodes"] = {n: job.agents[n].returncode for n in left}
         result["logs"] = job.logs()
         result["ledger"] = job.ledger()
-        result["recoveries"] = job.ledger("recovery")
+        result["recoveries"] = job.records("recovery")
         result["finals"] = [json.loads(p.read_text()) for p in (out / "procs").glob("*.final")]
         result["frozen"], result["survivor"] = frozen, survivor
     finally:
