@@ -555,9 +555,13 @@ class ElasticState:
     def _check_in_process(self) -> None:
         trainer = self.trainer
         if not getattr(trainer.combiner, "regroups_in_process", False):
+            from .comm import combiner_class, list_combiners  # noqa: PLC0415
+
+            able = [n for n in list_combiners() if combiner_class(n).regroups_in_process]
             raise ValueError(
                 f"in-process recovery does not re-form --grad-combine {trainer.combiner.name} "
-                "yet (only average); launch this mode with python -m trainers.elastic torchrun"
+                f"yet (it does {', '.join(able)}); launch this mode with python -m "
+                "trainers.elastic torchrun"
             )
         if trainer.tensor_parallel or trainer.pipeline is not None:
             raise ValueError(

@@ -35,6 +35,7 @@ from torch.utils.data import Dataset
 
 from tests.trainers._trainer_toys import ToyDataset, eval_step, make_mlp
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig, make_header
+from trainers.comm import create_combiner
 from trainers.elastic import ElasticState, repair_run_log
 
 # The scenario; test_elastic.py imports these.
@@ -90,6 +91,8 @@ def build(env: DistEnv, out: Path, logger: RunLogger) -> tuple[Trainer, ElasticS
         logger=logger,
         train_step=train_step,
         eval_step=lambda m, b: eval_step(m, b[:2]),
+        # test_recovery runs the job with other DDP-based modes too
+        combiner=create_combiner(os.environ.get("ELASTIC_TEST_COMBINER", "average")),
     )
     elastic = ElasticState(
         trainer, out / "elastic", checkpoint_steps=CHECKPOINT_STEPS, ramp_steps=RAMP_STEPS

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,7 +199,8 @@ def test_modes_that_cannot_regroup_are_refused(tmp_path, monkeypatch):
 
     monkeypatch.setattr(recovery, "_ACTIVE", object())  # as if launched by inproc
     trainer = _toy_trainer(train_step, combiner=LocalSGDCombiner())
-    with pytest.raises(ValueError, match="does not re-form --grad-combine localsgd"):
+    with pytest.raises(ValueError, match="not re-form --grad-combine localsgd yet .it does "
+                       "average, .*fp16.*powersgd"):  # fmt: skip
         ElasticState(trainer, tmp_path / "e", checkpoint_steps=2)
 
 
@@ -230,6 +232,10 @@ class _Members(_Job):
     """Members of one in-process-recovering job on 127.0.0.1 (test_elastic's job, with
     ``python -m trainers.elastic inproc`` in place of torchrun agents)."""
 
+    def __init__(self, out: Path, combiner: str = "average") -> None:
+        super().__init__(out)
+        self.combiner = combiner
+
     def start(self, name: str) -> None:
         cmd = [
             sys.executable, "-m", "trainers.elastic", "inproc", f"--store=127.0.0.1:{self.port}",
@@ -244,6 +250,7 @@ class _Members(_Job):
             # fixed: the gate's holds would count as slow steps for the adaptive timeout
             MODELZOO_COLLECTIVE_TIMEOUT="3",  # a frozen member is given up after 3 s
             MODELZOO_PEER_TIMEOUT="1.5",  # heartbeat silence that counts as dead
+            ELASTIC_TEST_COMBINER=self.combiner,
         )
         self.agents[name] = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=open(self.out / f"agent_{name}.log", "w"),  # noqa: SIM115
@@ -397,3 +404,38 @@ def test_held_out_accuracy_is_close_to_an_uninterrupted_run(inproc_job):
     from tests.trainers import test_elastic
 
     test_elastic.test_final_accuracy_is_close_to_an_uninterrupted_run({"out": inproc_job["out"]})
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("combiner", ["fp16", "powersgd"])
+def test_ddp_hook_modes_recover_in_process(tmp_path, combiner):
+    """DDP with PyTorch's communication hooks is wrapped again on the new group: 3 members,
+    the last rank killed between steps, the two left finish with equal weights and every
+    sample once."""
+    out = tmp_path / combiner
+    out.mkdir()
+    job = _Members(out, combiner)
+    try:
+        job.gate(6)
+        for name in "abc":
+            job.start(name)
+        job.wait_for("step 6 at world size 3", lambda: job.reached(6, world_size=3))
+        procs = [json.loads(p.read_text()) for p in (out / "procs").glob("*.json")]
+        last = next(p["pid"] for p in procs if p["rank"] == 2)
+        victim = next(n for n in job.agents if job.pid_of(n) == last)
+        job.killed = victim
+        os.kill(last, signal.SIGKILL)
+        job.gate(10**6)
+        left = [n for n in job.agents if n != victim]
+        for name in left:
+            job.agents[name].wait(timeout=240)
+        assert [job.agents[n].returncode for n in left] == [0, 0], job.logs()
+        check_ledger(out, job.ledger())
+        finals = [json.loads(p.read_text()) for p in (out / "procs").glob("*.final")]
+        assert len(finals) == 2 and len({f["params_sha256"] for f in finals}) == 1
+        records = _records(out / "run.jsonl")
+        (change,) = [r for r in records if r["kind"] == "membership"]
+        assert (change["old_world_size"], change["new_world_size"]) == (3, 2)
+    finally:
+        job.cleanup()

@@ -33,6 +33,8 @@ __all__ = ["BF16Combiner", "FP16Combiner", "PowerSGDCombiner", "PowerSGDOptions"
 class _DDPHookCombiner(DDPCombiner):
     """DistributedDataParallel with the communication hook :meth:`_hook` returns."""
 
+    regroups_in_process = True  # prepare() wraps again with a fresh hook state
+
     def __init__(self, options: Any = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)
         self.state: Any = None
