@@ -519,6 +519,8 @@ def _timeline(elastic_dir: Path, agent_logs: Path, nodes: int, cut: dict | None)
                                 "reason": match.group(2), "time": float(match.group(3))})  # fmt: skip
     # In-process recovery: each survivor's recovery record says when its collective failed.
     for record in _ledger_records(elastic_dir, "recovery"):
+        if record["reason"] != "failure":  # a newcomer admitted at a commit
+            continue
         gave_up.append({"node": record.get("node"), "rank": record["rank"], "reason": record["reason"],
                         "time": float(record["failed_at"])})  # fmt: skip
     out["gave_up"] = gave_up

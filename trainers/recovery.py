@@ -3,7 +3,7 @@
 Under ``torchrun`` every membership change stops every worker and starts new processes, which
 re-import torch, rebuild the model and reload ``state.pt`` (``docs/elastic.md``: 11-27 s).
 Here the workers are ordinary processes that keep running: when a peer dies (its gloo
-connections reset) or is cut off (a collective times out after ten times the slowest
+connections reset) or is cut off (a collective times out after three times the slowest
 step, at least 2 s), the survivors agree on a new membership through a c10d store, destroy the broken
 process group and create a new one (``torch.distributed.init_process_group`` with a
 ``PrefixStore`` per round: no key of an earlier round is ever read), go back to their last
@@ -74,7 +74,7 @@ DEFAULT_HEARTBEAT_TIMEOUT = 1.0
 # the slowest step seen since the group formed (saves and evaluations included), at least
 # ADAPT_FLOOR; STARTUP_TIMEOUT until that is measured (a newcomer imports, builds its model
 # and traces its first step while the others wait in the first collectives).
-ADAPT_FACTOR = 10.0
+ADAPT_FACTOR = 3.0
 ADAPT_FLOOR = 2.0
 STARTUP_TIMEOUT = 300.0
 DEFAULT_LAST_CALL = 2.0
