@@ -107,6 +107,7 @@ def test_the_logger_of_a_new_rank_0_appends_after_a_torn_line(tmp_path):
     ]
 
 
+@pytest.mark.slow  # three interpreter starts
 def test_launcher_refuses_bad_flags_with_one_line(tmp_path):
     def run(*args):
         return subprocess.run(
