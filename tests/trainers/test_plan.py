@@ -408,11 +408,16 @@ def test_profile_of_a_real_tiny_bert(tiny_bert):
             assert x.tp_param_bytes == sharded
             assert x.tp_allreduce_bytes == 2 * 16 * c * 4  # one (b, T, C) fp32 tensor
             assert 0 < x.tp_activation_bytes < x.activation_bytes
-            # one rank's share of the layer, timed at degrees 2 and 4
-            assert set(x.tp_time_ratio) <= {"2", "4"} and x.tp_time_ratio, x.tp_time_ratio
-            assert all(0 < r <= 2 for r in x.tp_time_ratio.values())
+            # the layer really sharded (DTensor on a fake group), timed at degrees 2 and 4
+            assert set(x.tp_times) == set(x.tp_time_ratio) == {"2", "4"}, x.tp_time_ratio
+            for degree, t in x.tp_times.items():
+                assert 0 <= t["forward_fixed_s"] <= t["forward_s"] and t["backward_s"] > 0
+                whole = x.forward_s + x.backward_s
+                assert x.tp_time_ratio[degree] == pytest.approx(
+                    (t["forward_s"] + t["backward_s"]) / whole
+                )
         else:
-            assert x.tp_time_ratio == {}
+            assert x.tp_time_ratio == {} and x.tp_times == {}
     # the hidden states and the (b, T) int64 mask travel between stages
     assert a.blocks[0].output_bytes == 2 * 16 * c * 4 + 2 * 16 * 8
     # a layer keeps at least its input, qkv output and feed-forward input and hidden units
@@ -628,6 +633,73 @@ def _tiny_bert_model(layers: int = 3):
     return BertForQuestionAnswering(BertConfig(vocab_size=50, hidden_size=16, num_layers=layers,
                                                num_heads=2, intermediate_size=32,
                                                max_position_embeddings=16))  # fmt: skip
+
+
+def test_the_sharded_layers_times_replace_the_share():
+    """With ``tp_times`` at a degree, a layer costs those times (their per-call parts as
+    they are, the rest scaled with the micro-batch), not ``rho`` times the whole layer's:
+    one micro-batch at twice the profile's batch, tp 2, nothing else."""
+    import dataclasses
+
+    layer = BlockProfile(name="layer", forward_s=1.0, backward_s=2.0, activation_bytes=1e6,
+                         output_bytes=1e5, param_bytes=1e6, tensor_parallel=True,
+                         tp_param_bytes=9e5, tp_activation_bytes=5e5, tp_allreduce_bytes=1e5,
+                         tp_time_ratio={"2": 0.7})  # fmt: skip
+    sharded = {"forward_s": 0.8, "backward_s": 1.1, "forward_fixed_s": 0.3,
+               "backward_fixed_s": 0.1}  # fmt: skip
+    plain = Profile(model="toy", batch=4, blocks=(layer,), seq_len=16,
+                    tensor_parallel_degrees=(1, 2))  # fmt: skip
+    timed = dataclasses.replace(
+        plain, blocks=(dataclasses.replace(layer, tp_times={"2": sharded}),)
+    )
+    network = Network.parse("2:1e12:0", devices=2)  # communication free
+    config = ParallelConfig(2, 1, 1, 1, "1f1b", (0, 1))
+    a, b = (predict_step_time(p, network, config, global_batch=8) for p in (plain, timed))
+    # micro-batch 8 = 2 x the profile's 4: per-call parts once, the rest twice
+    want = 0.3 + 2 * (0.8 - 0.3) + 0.1 + 2 * (1.1 - 0.1)
+    assert b.step_s - b.breakdown["update_s"] == pytest.approx(want, rel=1e-12)
+    assert a.step_s - a.breakdown["update_s"] == pytest.approx(0.7 * 2 * 3.0, rel=1e-12)
+    # read back from JSON, and refused when malformed
+    again = Profile.from_dict(timed.to_dict())
+    assert again.blocks[0].tp_times == {"2": sharded}
+    for bad, message in [
+        ({"1": sharded}, "maps degrees > 1"),
+        ({"2": {**sharded, "forward_fixed_s": 0.9}}, "forward_fixed_s .0.9. is larger than"),
+        ({"2": {"forward_s": 1.0}}, "maps degrees > 1"),
+        ({"2": {**sharded, "backward_s": -1.0}}, "maps degrees > 1"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            BlockProfile.from_dict(dataclasses.asdict(layer) | {"tp_times": bad}, "prof.json")
+    # a faster device: every time scaled, the sharded ones too
+    assert timed.scaled(0.5).blocks[0].tp_times["2"]["forward_s"] == pytest.approx(0.4)
+
+
+@pytest.mark.slow  # a child process
+def test_the_probe_shards_the_layer_on_a_fake_group():
+    """The probe's layer is the real sharded one: its local parameters are the replicated
+    ones plus 1/t of each sharded tensor (Megatron's split), and it runs forward and
+    backward at both batches."""
+    from modelzoo.family import family_of
+    from trainers.parallel.plan._tp_probe import time_sharded
+    from trainers.parallel.tensor import bert_layers
+
+    model = _tiny_bert_model(1)
+    family = family_of(model, "test")
+    layer = bert_layers(model)[0]
+    total = sum(p.numel() for p in layer.parameters())
+    sharded = 0
+    for name, style in family.tp_plan.items():
+        linear = layer.get_submodule(name)
+        sharded += linear.weight.numel() + (
+            linear.bias.numel() if style == "colwise" and linear.bias is not None else 0
+        )
+    x = torch.randn(4, 8, 16)
+    got = time_sharded(layer, "", family.tp_plan, family.tp_attention, [x], [x[:2]], [2],
+                       repeats=2, warmup=1)  # fmt: skip
+    assert got is not None
+    assert got["2"]["local_params"] == total - sharded + sharded // 2
+    assert got["2"]["batch"]["forward_s"] > 0 and got["2"]["fit"]["backward_s"] > 0
+    assert sum(p.numel() for p in layer.parameters()) == total  # the caller's layer untouched
 
 
 def test_measured_tensor_parallel_share_replaces_the_perfect_split():

@@ -96,8 +96,19 @@ class _Costs:
             a, w = b.activation_bytes * ratio, b.param_bytes
             comm = 0.0
             if b.tensor_parallel and tp > 1:
-                share = b.tp_time_ratio.get(str(tp), 1 / tp)  # measured, else a perfect split
-                f, g = f * share, g * share
+                sharded = b.tp_times.get(str(tp))
+                if sharded is not None:  # timed sharded (DTensor), at the profile's batch
+                    f = (
+                        sharded["forward_fixed_s"]
+                        + (sharded["forward_s"] - sharded["forward_fixed_s"]) * ratio
+                    )
+                    g = (
+                        sharded["backward_fixed_s"]
+                        + (sharded["backward_s"] - sharded["backward_fixed_s"]) * ratio
+                    )
+                else:  # measured share of the whole block, else a perfect split
+                    share = b.tp_time_ratio.get(str(tp), 1 / tp)
+                    f, g = f * share, g * share
                 comm = 2 * ar(b.tp_allreduce_bytes * ratio, tp, tp_level)
                 a -= b.tp_activation_bytes * ratio * (1 - 1 / tp)
                 w -= b.tp_param_bytes * (1 - 1 / tp)

@@ -37,6 +37,11 @@ class BlockProfile:
             forward + backward time of one rank's share of the layer (``num_heads / t`` heads,
             ``intermediate / t`` units) over the whole layer's, ``rho_k(t)``; a degree not
             listed is taken to split the time perfectly (``1 / t``).
+        tp_times: per degree ``t``, the block's ``forward_s``, ``backward_s``,
+            ``forward_fixed_s`` and ``backward_fixed_s`` with its layer really sharded
+            (DTensor, one rank of a fake process group: local compute and DTensor's
+            per-operation overhead, no communication; :mod:`._tp_probe`). Where a degree is
+            listed the planner takes these in place of ``rho_k(t)`` times the whole block's.
     """
 
     name: str
@@ -54,6 +59,7 @@ class BlockProfile:
     tp_allreduce_bytes: float = 0.0
     flops: float = 0.0
     tp_time_ratio: dict[str, float] = field(default_factory=dict)
+    tp_times: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> BlockProfile:
@@ -69,13 +75,15 @@ class BlockProfile:
                 ratios = _get(data, f.name, where, dict, default={})
                 for key, value in ratios.items():
                     if not (key.isdigit() and int(key) > 1) or isinstance(value, bool) or not (
-                        isinstance(value, (int, float)) and 0 < value <= 2
+                        isinstance(value, (int, float)) and 0 < value <= 100
                     ):  # fmt: skip
                         raise ValueError(
                             f"{where}: field 'tp_time_ratio' maps degrees > 1 (as strings) to "
-                            f"time ratios in (0, 2]; got {key!r}: {value!r}"
+                            f"time ratios in (0, 100]; got {key!r}: {value!r}"
                         )
                 values[f.name] = {k: float(v) for k, v in ratios.items()}
+            elif f.name == "tp_times":
+                values[f.name] = _tp_times(_get(data, f.name, where, dict, default={}), where)
             else:
                 default = _MISSING if f.default is dataclasses.MISSING else f.default
                 values[f.name] = _get(data, f.name, where, float, default=default, minimum=0.0)
@@ -92,13 +100,42 @@ class BlockProfile:
                 )
         if not values["tensor_parallel"]:
             for name in ("tp_param_bytes", "tp_activation_bytes", "tp_allreduce_bytes",
-                         "tp_time_ratio"):  # fmt: skip
+                         "tp_time_ratio", "tp_times"):  # fmt: skip
                 if values[name]:
                     raise ValueError(
                         f"{where}: field {name!r} is set but 'tensor_parallel' is false; set "
                         "'tensor_parallel': true for a block that tensor parallelism splits"
                     )
         return cls(**values)
+
+
+_TP_TIME_KEYS = ("forward_s", "backward_s", "forward_fixed_s", "backward_fixed_s")
+
+
+def _tp_times(data: dict[str, Any], where: str) -> dict[str, dict[str, float]]:
+    """Field ``tp_times``: degrees > 1 (strings) -> the four times, seconds >= 0, each per-call
+    part at most its whole."""
+    out = {}
+    for key, times in data.items():
+        ok = key.isdigit() and int(key) > 1 and isinstance(times, dict)
+        ok = ok and set(times) == set(_TP_TIME_KEYS)
+        ok = ok and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+            for v in times.values()
+        )
+        if not ok:
+            raise ValueError(
+                f"{where}: field 'tp_times' maps degrees > 1 (as strings) to objects with the "
+                f"seconds {', '.join(_TP_TIME_KEYS)} (>= 0); got {key!r}: {times!r}"
+            )
+        for part, whole in (("forward_fixed_s", "forward_s"), ("backward_fixed_s", "backward_s")):
+            if times[part] > times[whole] * (1 + 1e-9):
+                raise ValueError(
+                    f"{where}: field 'tp_times' at degree {key}: {part} ({times[part]:g}) is "
+                    f"larger than {whole} ({times[whole]:g})"
+                )
+        out[key] = {k: float(times[k]) for k in _TP_TIME_KEYS}
+    return out
 
 
 _PART_OF = {
@@ -205,7 +242,13 @@ class Profile:
             raise ValueError(f"compute scale must be > 0, got {compute_scale}")
         times = ("forward_s", "backward_s", "forward_fixed_s", "backward_fixed_s", "optimizer_s")
         blocks = tuple(
-            dataclasses.replace(b, **{t: getattr(b, t) * compute_scale for t in times})
+            dataclasses.replace(
+                b,
+                **{t: getattr(b, t) * compute_scale for t in times},
+                tp_times={
+                    d: {k: v * compute_scale for k, v in ts.items()} for d, ts in b.tp_times.items()
+                },  # fmt: skip
+            )
             for b in self.blocks
         )
         previous = float(self.source.get("compute_scale", 1.0))

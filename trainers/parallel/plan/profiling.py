@@ -185,14 +185,58 @@ def _flops(block: nn.Module, inputs: Sequence[torch.Tensor]) -> float:
     return float(counter.get_total_flops())
 
 
+MAX_TP_RATIO = 100.0  # a sharded layer's time over the whole one's above this: a bad timing
+
+
+def _fixed_part(t_batch: float, t_fit: float, batch: int, fit: int) -> float:
+    """The per-call part of a time measured at ``batch`` and ``fit``: ``t(b) = fixed + slope
+    b`` through both points, clipped to ``[0, min(t_fit, t_batch)]``."""
+    fixed = (t_fit * batch - t_batch * fit) / (batch - fit)
+    return min(max(fixed, 0.0), t_fit, t_batch)
+
+
+def _first_rows(values: Sequence[torch.Tensor], batch: int, rows: int) -> tuple[torch.Tensor, ...]:
+    """``values`` cut to their first ``rows`` samples (tensors whose first dimension is the
+    batch; others as they are)."""
+    return tuple(t[:rows] if t.dim() and t.shape[0] == batch else t for t in values)
+
+
+def _sharded_times(block: nn.Module, path: str, family: Any, values: Sequence[torch.Tensor],
+                   degrees: Sequence[int], *, batch: int, fit: int, repeats: int,
+                   warmup: int) -> dict[str, dict[str, float]] | None:  # fmt: skip
+    """Per degree, the forward and backward seconds (and their per-call parts) of ``block``
+    with its tensor-parallel layer really sharded (:mod:`._tp_probe`); ``None`` if the probe
+    could not run."""
+    from trainers.parallel.plan._tp_probe import time_sharded
+
+    fit_values = _first_rows(values, batch, fit) if 1 <= fit < batch else None
+    probed = time_sharded(block, path, family.tp_plan, family.tp_attention, values, fit_values,
+                          degrees, repeats=repeats, warmup=warmup)  # fmt: skip
+    if probed is None:
+        return None
+    out = {}
+    for degree, times in probed.items():
+        at = times["batch"]
+        entry = {"forward_s": at["forward_s"], "backward_s": at["backward_s"],
+                 "forward_fixed_s": 0.0, "backward_fixed_s": 0.0}  # fmt: skip
+        if times["fit"] is not None:
+            for key in ("forward_s", "backward_s"):
+                entry[key.replace("_s", "_fixed_s")] = _fixed_part(
+                    at[key], times["fit"][key], batch, fit
+                )
+        out[degree] = entry
+    return out
+
+
 def _measure(blocks: Sequence[nn.Module], inputs: tuple[torch.Tensor, ...], *, family: Any,
              repeats: int,
              warmup: int, dedupe: bool, full: bool, tp_degree: int,
-             time_degrees: Sequence[int] = ()) -> list[dict[str, Any]]:  # fmt: skip
+             time_degrees: Sequence[int] = (), fit: int = 0) -> list[dict[str, Any]]:  # fmt: skip
     """Per-block measurements along the chain (``full``: also bytes, FLOPs, the AdamW step;
     for a block around a tensor-parallel layer of ``family`` the sharded bytes at
-    ``tp_degree`` and the time ratio of one rank's share of the layer at each of
-    ``time_degrees``)."""
+    ``tp_degree`` and, at each of ``time_degrees``, the times of the block with its layer
+    sharded (:mod:`._tp_probe`; ``fit``: the second batch for their per-call parts) and
+    their ratio to the whole block's)."""
     results: list[dict[str, float]] = []
     twins: dict[Any, tuple[dict[str, float], tuple[torch.Tensor, ...]]] = {}
     values = inputs
@@ -231,14 +275,36 @@ def _measure(blocks: Sequence[nn.Module], inputs: tuple[torch.Tensor, ...], *, f
                     sharded = (saved - part) * tp_degree / (tp_degree - 1)
                     record["tp_activation_bytes"] = float(min(max(sharded, 0.0), saved))
                 whole = record["forward_s"] + record["backward_s"]
+                batch = values[0].shape[0] if values and values[0].dim() else 1
+                sharded = (
+                    _sharded_times(
+                        block,
+                        path,
+                        family,
+                        values,
+                        time_degrees,
+                        batch=batch,
+                        fit=fit,
+                        repeats=repeats,
+                        warmup=warmup,
+                    )  # fmt: skip
+                    if time_degrees
+                    else None
+                )
                 ratios = {}
                 for degree in time_degrees:
-                    part = _time_block(_local_block(block, path, family, degree), values, repeats, warmup,
-                                       optimizer=False)  # fmt: skip
+                    if sharded is not None:
+                        part = sharded[str(degree)]
+                    else:  # no fake process group in this torch: the cut copy's time
+                        part = _time_block(_local_block(block, path, family, degree), values,
+                                           repeats, warmup, optimizer=False)  # fmt: skip
                     ratio = (part["forward_s"] + part["backward_s"]) / whole if whole > 0 else 0
-                    if 0 < ratio <= 2:  # outside: a measurement too noisy to use
+                    # the cut copy's share above 2: too noisy to use; the sharded layer's may
+                    # well be (DTensor's per-operation cost dominates a small layer)
+                    if 0 < ratio <= (MAX_TP_RATIO if sharded is not None else 2):
                         ratios[str(degree)] = ratio
                 record["tp_time_ratio"] = ratios
+                record["tp_times"] = {d: t for d, t in (sharded or {}).items() if d in ratios}
         with torch.no_grad():
             outputs = tuple(t.detach() for t in _tensors(block(*values)))
         for p in block.parameters():
@@ -311,7 +377,7 @@ def profile_model(
     inputs = inputs_of(batch)
     common = dict(family=family, repeats=repeats, warmup=warmup, dedupe=dedupe)
     measured = _measure(blocks, inputs, full=True, tp_degree=tp_degree,
-                        time_degrees=[d for d in degrees if d > 1], **common)  # fmt: skip
+                        time_degrees=[d for d in degrees if d > 1], fit=fit, **common)  # fmt: skip
     small = None
     if 1 <= fit < batch:
         small = _measure(blocks, inputs_of(fit), full=False, tp_degree=1, **common)
@@ -322,9 +388,7 @@ def profile_model(
         if small is not None:
             for key in ("forward_s", "backward_s"):
                 # t(b) = fixed + slope b through (fit, t_fit) and (batch, t_batch)
-                t1, t0 = small[k][key], rec[key]
-                fixed = (t1 * batch - t0 * fit) / (batch - fit)
-                fixed = min(max(fixed, 0.0), t1, t0)
+                fixed = _fixed_part(rec[key], small[k][key], batch, fit)
                 if key == "forward_s":
                     fixed_f = fixed
                 else:
@@ -347,6 +411,7 @@ def profile_model(
                 tp_allreduce_bytes=rec.get("tp_allreduce_bytes", 0.0) if tp_block else 0.0,
                 flops=rec["flops"],
                 tp_time_ratio=rec.get("tp_time_ratio", {}) if tp_block else {},
+                tp_times=rec.get("tp_times", {}) if tp_block else {},
             )
         )
     source = {
