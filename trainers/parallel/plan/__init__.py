@@ -61,8 +61,11 @@ embeddings and heads are replicated, as in :mod:`trainers.parallel.tensor`)::
 
 where ``rho_k(tp)`` is the measured time of one rank's share of the layer (its heads and
 feed-forward units at the profile's micro-batch) over the whole layer's: more than ``1 / tp``
-where the smaller matrix products run less efficiently, and ``1 / tp`` for a profile that
-does not list the degree
+where the smaller matrix products run less efficiently and DTensor's per-operation cost
+weighs, and ``1 / tp`` for a profile that does not list the degree. A profile whose block
+lists the degree in ``tp_times`` (the layer really sharded, timed at two batches:
+:mod:`._tp_probe`) gives ``rho_k(tp) F_k(b)`` as ``F0^tp_k + (F^tp_k - F0^tp_k) b / b0``
+instead, and likewise the backward
 (two all-reduces forward, after the attention output and the second feed-forward linear,
 and two backward, for the input gradients of ``qkv`` and ``fc1``). Other blocks: ``F'_k =
 F_k(b)``, ``w'_k = w_k``, ... The optimizer step scales with the local parameters,
