@@ -84,6 +84,7 @@ _POLL = 0.02
 _PEER_FAILURE = re.compile(
     r"Connection (reset|closed|refused)|Broken pipe|Read error|Write error|"
     r"Timed out waiting \d+ ?ms for (recv|send)|connectFullMesh|"
+    r"Application timeout caused pair closure|Socket Timeout|"
     r"process group .*(destroyed|aborted)",
 )
 

@@ -42,6 +42,8 @@ def test_peer_failures_are_told_from_bugs():
     assert is_peer_failure(RuntimeError(gloo))
     assert is_peer_failure(RuntimeError(timeout))
     assert is_peer_failure(MembershipChange("a newcomer waits"))
+    # a broadcast (DDP's buffer sync) across a cut link, seen in a lab drill
+    assert is_peer_failure(RuntimeError("Application timeout caused pair closure"))
     assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_peer_failure(ValueError("Connection reset by peer"))  # not a collective's
     assert not is_peer_failure(KeyError("weight"))
