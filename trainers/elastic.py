@@ -647,6 +647,7 @@ class ElasticState:
                 "kind": "start",
                 "run": run_id,
                 "rank": env.rank,
+                "pid": os.getpid(),
                 "world_size": env.world_size,
                 "restored_step": int(restored_step),
                 "load_seconds": self.load_seconds,

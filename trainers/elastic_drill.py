@@ -147,7 +147,15 @@ def _publish_ledger(result: dict, elastic_dir: Path, run_log_path: Path, lines: 
     shutil.rmtree(ledger_copy, ignore_errors=True)
     shutil.copytree(elastic_dir / LEDGER_DIR, ledger_copy)
     result["ledger"] = str(ledger_copy)
-    result["membership"] = [r for r in map(json.loads, lines) if r.get("kind") == "membership"]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise DrillError(
+                f"{run_log_path}: line {number} is not one JSON record (two writers?)"
+            ) from None
+    result["membership"] = [r for r in records if r.get("kind") == "membership"]
 
 
 def ledger_steps(elastic_dir: Path) -> list[dict]:

@@ -294,6 +294,15 @@ class RunLogger:
             self._make_parents(self.path)
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (close())
 
+    def release(self) -> None:
+        """Stop writing (the group was re-formed in process and this rank is no longer rank
+        0: the new rank 0 has taken the run log over)."""
+        for f in (self._file, self._console_file):
+            if f is not None:
+                f.close()
+        self._file = self._console_file = None
+        self.enabled = self.console = False
+
     def _make_parents(self, path: Path) -> None:
         missing = [p for p in path.parents if not p.exists()]
         path.parent.mkdir(parents=True, exist_ok=True)

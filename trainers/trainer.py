@@ -266,6 +266,8 @@ class Trainer:
             self.lr_schedule = None  # rebuilt by fit for the new world size
         if self.env.is_main and not self.logger.enabled:
             self.logger.take_over()
+        elif not self.env.is_main and self.logger.enabled:  # rank 0 no more: one writer
+            self.logger.release()
 
     def _fit_once(
         self,

@@ -95,6 +95,16 @@ def test_a_regrouped_member_state_loads_as_after_a_world_change(tmp_path):
     assert not torch.equal(torch.get_rng_state(), expected.get_state())
 
 
+def test_a_former_rank_0_stops_writing(tmp_path):
+    path = tmp_path / "run.jsonl"
+    logger = RunLogger(path, console=False)
+    logger.write({"kind": "header"})
+    logger.release()
+    logger.write({"kind": "step", "step": 1})  # another rank writes now: nothing from here
+    logger.close()
+    assert [json.loads(line)["kind"] for line in path.read_text().splitlines()] == ["header"]
+
+
 def test_the_logger_of_a_new_rank_0_appends_after_a_torn_line(tmp_path):
     path = tmp_path / "run.jsonl"
     path.write_text('{"kind": "header"}\n{"kind": "step", "st')  # the old rank 0 died here
@@ -310,7 +320,12 @@ def inproc_job(tmp_path_factory):
         job.gate(24)
         job.wait_for("step 24 at world size 2", lambda: job.reached(24, world_size=2))
         left = [n for n in job.agents if n != victim]
-        frozen, survivor = left[1], left[0]
+        # freeze the member that is rank 0 now, the run log's writer: when it is back it is
+        # not rank 0 any more and must leave the log to the one that took it over
+        starts = sorted(job.records("start"), key=lambda r: r["time"])
+        writer = next(r["pid"] for r in reversed(starts) if r["rank"] == 0)
+        frozen = next(n for n in left if job.pid_of(n) == writer)
+        survivor = next(n for n in left if n != frozen)
         os.kill(job.pid_of(frozen), signal.SIGSTOP)  # cut off: no heartbeat, no collective
         job.gate(32)
         job.wait_for("step 32 at world size 1", lambda: job.reached(32, world_size=1))
@@ -331,6 +346,9 @@ def inproc_job(tmp_path_factory):
 
 @pytest.mark.dist
 def test_members_finish_after_a_join_a_death_and_a_freeze(inproc_job):
+    # one writer at a time: every line of the run log is one whole record
+    for line in (inproc_job["out"] / "run.jsonl").read_text().splitlines():
+        json.loads(line)
     assert inproc_job["returncodes"] == {n: 0 for n in inproc_job["returncodes"]}, inproc_job[
         "logs"
     ]
