@@ -274,7 +274,6 @@ class ElasticState:
         # In-process recovery (python -m trainers.elastic inproc; trainers.recovery): the
         # group is re-formed inside the running processes instead of by torchrun.
         self.membership = active_membership()
-        self.regroups = 0  # in-process re-formations this process took part in
         self._last_step_end: float | None = None  # the collectives' timeout (recovery.adapt)
         self._step_intervals = 0
         self._slowest = 0.0
@@ -492,7 +491,6 @@ class ElasticState:
             raise RecoveryError("the group could not be re-formed in 8 attempts")
         timing["total"] = time.perf_counter() - started
         self.recoveries.append(timing)
-        self.regroups += 1
         if self._ledger_file is not None:  # when and how long, for bench_elastic.py
             self._ledger_write(
                 {

@@ -139,7 +139,6 @@ class Round:
     number: int
     members: tuple[int, ...]
     rank: int
-    newcomer: bool  # this process had no state of the job before this round
 
     @property
     def world_size(self) -> int:
@@ -196,7 +195,6 @@ class Membership:
         self.store = dist.PrefixStore(job, base)
         self.id = int(self.store.add("next_id", 1))
         self.round: Round | None = None
-        self.rounds_formed = 0
         self.last_timing: dict[str, float] = {}
         self._stop = threading.Event()
         # The heartbeat has its own connection: a main thread blocked in a store call must
@@ -234,14 +232,14 @@ class Membership:
         """Enter the job: wait for a round that admits this process, then form its group."""
         self.store.append("joiners", f"{self.id},")
         number = int(self.store.add("gen", 0)) + 1
-        return self._enter(number, newcomer=True)
+        return self._enter(number)
 
     def reform(self) -> Round:
         """After a failure (or at a commit where a newcomer waits): the next generation."""
         assert self.round is not None, "reform() before join()"
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        return self._enter(self.round.number + 1, newcomer=False)
+        return self._enter(self.round.number + 1)
 
     def newcomer_waiting(self) -> bool:
         """Whether a process waits to enter the next round (rank 0 asks; the others follow)."""
@@ -259,27 +257,25 @@ class Membership:
             self.store.set(f"gone/{self.id}", "1")
         self._beats.join(timeout=2.0)
 
-    def _enter(self, number: int, *, newcomer: bool) -> Round:
+    def _enter(self, number: int) -> Round:
         start = time.perf_counter()
         deadline = time.monotonic() + self.join_timeout
         while True:
-            formed = self._one_round(number, newcomer, deadline)
+            formed = self._one_round(number, deadline)
             if formed is not None:
                 break
             number += 1  # closed without this process: it counts as a newcomer now
-            newcomer = True
             self.store.append("joiners", f"{self.id},")
         agreed = time.perf_counter()
         self._init_group(formed)
         self.round = formed
-        self.rounds_formed += 1
         self.last_timing = {
             "agree": agreed - start,
             "process_group": time.perf_counter() - agreed,
         }
         return formed
 
-    def _one_round(self, number: int, newcomer: bool, deadline: float) -> Round | None:
+    def _one_round(self, number: int, deadline: float) -> Round | None:
         prefix = f"round/{number}"
         self.store.append(f"{prefix}/arrived", f"{self.id},")
         previous = self._closed(number - 1) if number > 1 else ()
@@ -290,7 +286,7 @@ class Membership:
             if closed:
                 if self.id not in closed:
                     return None
-                return Round(number, closed, closed.index(self.id), newcomer)
+                return Round(number, closed, closed.index(self.id))
             if time.monotonic() > deadline:
                 raise RecoveryError(
                     f"round {number} of job {self.job!r} did not gather {self.min_nodes} "
