@@ -269,6 +269,100 @@ def test_the_old_name_is_a_deprecated_alias():
     assert StatisticallyAdjustedLBFGS is CumulativeBatchLBFGS
 
 
+LINE_SEARCHES = {  # (line search, lr, evaluations per line search)
+    "wolfe": ("strong_wolfe", 1.0, 25),
+    # a step 20x too long and 2 evaluations: the accepted step is often an earlier trial
+    "wolfe_truncated": ("strong_wolfe", 20.0, 2),
+    "fixed_step": (None, 0.2, 25),
+}
+
+
+@pytest.mark.parametrize("search", sorted(LINE_SEARCHES))
+@pytest.mark.parametrize("name", ["logistic", "multinomial"])
+def test_lbfgs_iterates_are_torch_lbfgs_to_the_last_bit(name, search):
+    """Oracle: ``torch.optim.LBFGS`` itself (its own line search, restores and gradient
+    gathering) on the same objective: the weights after every iteration equal ours exactly
+    (our solver reuses the reduced buffer and leaves the last line-search trial in place)."""
+    loss_name, X, y, classes, l2 = lbfgs_problems()[name]
+    n = len(y)
+    line_search, lr, evals = LINE_SEARCHES[search]
+    config = LBFGSConfig(history_size=5, line_search=line_search, lr=lr, max_evals=evals)
+
+    def run(ours: bool) -> tuple[torch.Tensor, list[float], int]:
+        model = build_linear_model(loss_name, X.shape[1], classes, dtype=torch.float64)
+        params = list(model.parameters())
+        iterates, losses = [], []
+        # evaluations at weights that differ from the previous evaluation's (what ours sends
+        # a message for: it keeps the last one)
+        last: list[torch.Tensor] = []
+        distinct = [0]
+        if ours:
+            solver = DataParallelLBFGS(params, lambda: model.loss_sum(X, y), n,
+                                       penalty=lambda: model.penalty(l2), config=config)  # fmt: skip
+            solver.evaluate()
+            step = solver.step
+        else:
+            opt = torch.optim.LBFGS(
+                params, lr=config.lr, max_iter=1, max_eval=config.max_evals + 1,
+                tolerance_grad=config.tolerance_grad, tolerance_change=config.tolerance_change,
+                history_size=config.history_size, line_search_fn=line_search,
+            )  # fmt: skip
+
+            def closure() -> torch.Tensor:
+                now = [p.detach().clone() for p in params]
+                if not (last and all(map(torch.equal, now, last))):
+                    distinct[0] += 1
+                last[:] = now
+                local = model.loss_sum(X, y)
+                grads = torch.autograd.grad(local, params)
+                r = model.penalty(l2)
+                extra = torch.autograd.grad(r, params, allow_unused=True)  # the bias: None
+                for p, g, e in zip(params, grads, extra, strict=True):
+                    p.grad = g / n if e is None else g / n + e
+                return local.detach() / n + r.detach()
+
+            def step() -> float:
+                opt.step(closure)
+                with torch.enable_grad():
+                    return float(closure())
+
+        for _ in range(25):
+            losses.append(step())
+            iterates.append(torch.cat([p.detach().reshape(-1) for p in params]))
+        return torch.stack(iterates), losses, solver.evaluations if ours else distinct[0]
+
+    ours, ours_losses, ours_evals = run(True)
+    ref, ref_losses, ref_evals = run(False)
+    assert ours_losses[-1] < ours_losses[0]  # it optimizes
+    assert torch.equal(ours, ref), (ours - ref).abs().max()
+    assert ours_losses == ref_losses
+    assert ours_evals == ref_evals
+
+
+def test_lbfgs_evaluation_at_the_same_weights_sends_no_message():
+    """The last evaluation is kept: weights unchanged, or written back to the same values (a
+    step that rounds to nothing near convergence), cost no message; any other write does."""
+    loss_name, X, y, classes, l2 = lbfgs_problems()["logistic"]
+    model = build_linear_model(loss_name, X.shape[1], classes, dtype=torch.float64)
+    solver = DataParallelLBFGS(model.parameters(), lambda: model.loss_sum(X, y), len(y),
+                               penalty=lambda: model.penalty(l2))  # fmt: skip
+    solver.step()
+    f = solver.evaluate()
+    sent = solver.messenger.messages
+    grads = [p.grad.clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.detach().clone())  # a write of the same values
+    assert solver.evaluate() == f and solver.messenger.messages == sent
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    model.weight.grad.zero_()  # someone wrote to the gradient: the kept one is given back
+    assert solver.evaluate() == f and solver.messenger.messages == sent
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    with torch.no_grad():
+        model.weight[0, 0] += 1e-3
+    assert solver.evaluate() != f and solver.messenger.messages == sent + 1
+
+
 def test_one_rank_lbfgs_counts_one_message_per_evaluation():
     iterates, messages = lbfgs_iterates(lbfgs_problems()["logistic"], 0, 1)
     # one for the global example count, then one per evaluation; strong Wolfe takes at

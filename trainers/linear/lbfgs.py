@@ -87,6 +87,72 @@ class LBFGSConfig:
             )
 
 
+@dataclass
+class _Evaluation:
+    """One evaluation of ``F``: the weights' :meth:`DataParallelLBFGS._versions` it was made at
+    and a copy of their values, ``F``, ``∇F`` per parameter (views of ``flat``) and the
+    versions of the ``.grad`` tensors that last received a copy of it (``None``: not yet)."""
+
+    weights: tuple[tuple[int, int], ...]
+    values: list[torch.Tensor]
+    loss: float
+    grads: list[torch.Tensor]
+    flat: torch.Tensor
+    grad_key: tuple[tuple[int, int], ...] | None
+
+
+class _LBFGS(torch.optim.LBFGS):
+    """``torch.optim.LBFGS`` without three copies of the weights or the gradient per line-search
+    evaluation; the same iterates to the last bit (``tests/trainers/test_linear.py`` runs both).
+
+    - The flat gradient is the solver's reduced buffer, not a ``cat`` of ``p.grad``, while the
+      ``.grad`` tensors hold the copy the solver gave them, unwritten.
+    - A trial point of the line search is written once, ``w = x + t d`` (the kernel of torch's
+      ``w.add_(d, alpha=t)`` on ``w = x``), and left there: torch restores ``x`` after each
+      trial and adds the accepted ``t d`` again, which on the last trial gives back the weights
+      it had. Here the accepted step is written only when it is not the last trial.
+
+    Private hooks of torch's class: a torch whose LBFGS lacks them runs its own (slower) code.
+    """
+
+    def __init__(self, solver: DataParallelLBFGS, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._solver = solver
+        self._trial: tuple[list[torch.Tensor], torch.Tensor, float, tuple] | None = None
+
+    def _gather_flat_grad(self) -> torch.Tensor:
+        cache = self._solver._cache
+        if cache is not None and cache.grad_key == DataParallelLBFGS._versions(
+            [p.grad for p in self._params]
+        ):
+            return cache.flat
+        return super()._gather_flat_grad()
+
+    def _write(self, x: list[torch.Tensor], t: float, d: torch.Tensor) -> None:
+        offset = 0
+        for p, x0 in zip(self._params, x, strict=True):
+            numel = p.numel()
+            torch.add(x0, d[offset : offset + numel].view_as(p), alpha=t, out=p)
+            offset += numel
+
+    def _directional_evaluate(self, closure, x, t, d):  # noqa: ANN001, ANN202
+        with torch.no_grad():
+            self._write(x, t, d)
+        self._trial = (x, d, t, DataParallelLBFGS._versions(self._params))
+        loss = float(closure())
+        return loss, self._gather_flat_grad()
+
+    def _add_grad(self, step_size, update) -> None:  # noqa: ANN001
+        trial, self._trial = self._trial, None
+        if trial is None or trial[1] is not update:  # no line search: the weights are x
+            super()._add_grad(step_size, update)
+            return
+        x, _, t, versions = trial
+        if t == step_size and versions == DataParallelLBFGS._versions(self._params):
+            return  # the accepted step is the last trial: the weights are x + t d already
+        self._write(x, step_size, update)
+
+
 class DataParallelLBFGS:
     """L-BFGS on a data-parallel objective, one all-reduce per evaluation.
 
@@ -123,7 +189,8 @@ class DataParallelLBFGS:
         self.config = config or LBFGSConfig()
         self.messenger = messenger or Messenger()
         self.penalty = penalty
-        self.optimizer = torch.optim.LBFGS(
+        self.optimizer = _LBFGS(
+            self,
             self.params,
             lr=self.config.lr,
             max_iter=1,
@@ -136,7 +203,8 @@ class DataParallelLBFGS:
         self.evaluations = 0  # objective evaluations that sent a message
         self.iterations = 0
         self.converged = False
-        self._cache: tuple[list[torch.Tensor], float, list[torch.Tensor]] | None = None
+        # the last evaluation: (weights' key, F, ∇F per parameter, ∇F flat, the grads' key)
+        self._cache: _Evaluation | None = None
         self.set_objective(local_loss_sum, num_examples)
 
     # -- the objective -----------------------------------------------------------------------
@@ -181,23 +249,49 @@ class DataParallelLBFGS:
     def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
         return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
-    def _set_grads(self, grads: list[torch.Tensor]) -> None:
-        """``p.grad`` = a copy of ``grads`` (into the existing tensor when it fits: on CPU a
-        fresh parameter-sized tensor costs its page faults every call)."""
-        for p, g in zip(self.params, grads, strict=True):
+    @staticmethod
+    def _versions(tensors: Sequence[torch.Tensor | None]) -> tuple[tuple[int, int], ...]:
+        """Where each tensor's storage is and how often it was written in place: equal keys,
+        the same values (every in-place write, ``copy_`` and optimizer updates included, bumps
+        a tensor's version; a replaced ``.data`` moves its storage)."""
+        return tuple((-1, -1) if t is None else (t.data_ptr(), t._version) for t in tensors)
+
+    def _cached(self) -> _Evaluation | None:
+        """The last evaluation, if the weights are the ones it was made at: not written since
+        (their versions), or written back to the same values (a step that rounds to nothing:
+        no message for it, as the run logs count)."""
+        cache = self._cache
+        if cache is None:
+            return None
+        versions = self._versions(self.params)
+        if cache.weights != versions:
+            if not self._same(cache.values, self._current()):
+                return None
+            cache.weights = versions
+        return cache
+
+    def _set_grads(self, cache: _Evaluation) -> None:
+        """``p.grad`` = a copy of ``∇F`` of ``cache`` (into the existing tensor when it fits: on
+        CPU a fresh parameter-sized tensor costs its page faults every call), unless it holds
+        that copy already, unwritten. A copy, not a view: a caller's write to ``p.grad`` must
+        not reach the kept evaluation."""
+        if self._versions([p.grad for p in self.params]) == cache.grad_key:
+            return
+        for p, g in zip(self.params, cache.grads, strict=True):
             old = p.grad
             if old is not None and old.shape == g.shape and old.dtype == g.dtype:
                 old.copy_(g)
             else:
                 p.grad = g.clone()
+        cache.grad_key = self._versions([p.grad for p in self.params])
 
     def evaluate(self) -> float:
         """``F(w)`` at the current weights, with ``p.grad = ∇F`` (cached for unchanged w)."""
-        if self._cache is not None and self._same(self._cache[0], self._current()):
-            _, loss, grads = self._cache
-            self._set_grads(grads)
-            return loss
-        key = self._key()
+        cache = self._cached()
+        if cache is not None:
+            self._set_grads(cache)
+            return cache.loss
+        weights, values = self._versions(self.params), self._key()
         with torch.enable_grad():
             local = self.local_loss_sum()
             grads = torch.autograd.grad(local, self.params, allow_unused=True)
@@ -222,8 +316,8 @@ class DataParallelLBFGS:
             loss = loss + r.detach()
             total = [t if e is None else t.add_(e) for t, e in zip(total, extra, strict=True)]
         value = float(loss)
-        self._cache = (key, value, total)
-        self._set_grads(total)
+        self._cache = _Evaluation(weights, values, value, total, buffer[1:], None)
+        self._set_grads(self._cache)
         return value
 
     # -- iterations ---------------------------------------------------------------------------
@@ -247,10 +341,10 @@ class DataParallelLBFGS:
         Tensors and plain containers only (``weights_only`` loading). Identical on every rank.
         """
         cache = None
-        if self._cache is not None:
-            key, value, grads = self._cache
-            cache = {"params": [t.clone() for t in key], "loss": value,
-                     "grads": [g.clone() for g in grads]}  # fmt: skip
+        if self._cached() is not None:  # weights as evaluated: they are the key
+            assert self._cache is not None
+            cache = {"params": self._key(), "loss": self._cache.loss,
+                     "grads": [g.clone() for g in self._cache.grads]}  # fmt: skip
         return {
             "params": self._key(),
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
@@ -282,14 +376,18 @@ class DataParallelLBFGS:
         self.num_examples = float(state["num_examples"])
         cache = state["cache"]
         self._cache = None
-        if cache is not None:
-            self._cache = (
-                [t.clone() for t in cache["params"]],
-                float(cache["loss"]),
-                [g.clone() for g in cache["grads"]],
+        for p in self.params:
+            p.grad = None
+        if cache is not None and self._same(list(cache["params"]), self._current()):
+            flat = torch.cat([g.reshape(-1) for g in cache["grads"]])
+            grads, offset = [], 0
+            for p in self.params:
+                grads.append(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            self._cache = _Evaluation(
+                self._versions(self.params), self._key(), float(cache["loss"]), grads, flat, None
             )
-            for p, g in zip(self.params, self._cache[2], strict=True):
-                p.grad = g.clone()
+            self._set_grads(self._cache)
 
     def run(self, max_iter: int, callback: Callable[[int, float], None] | None = None) -> float:
         """Up to ``max_iter`` iterations, stopping at convergence; ``callback(it, loss)``."""
