@@ -158,8 +158,13 @@ def median_profile(profiles: list[Profile]) -> Profile:
     return dataclasses.replace(first, blocks=tuple(blocks), source=source)
 
 
-def _flat_allreduce_(grads: list[torch.Tensor], group: Any, members: int) -> None:
-    flat = torch.cat([g.reshape(-1) for g in grads])
+def _flat_allreduce_(grads: list[torch.Tensor], group: Any, members: int,
+                     bucket: list[torch.Tensor]) -> None:  # fmt: skip
+    """The mean of ``grads`` over the group through one flat bucket, kept between steps
+    (``bucket``: empty, or the bucket) as DDP keeps its buckets."""
+    if not bucket:
+        bucket.append(torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype))
+    flat = torch.cat([g.reshape(-1) for g in grads], out=bucket[0])
     dist.all_reduce(flat, group=group)
     flat /= members
     offset = 0
@@ -183,6 +188,7 @@ def build_step(p: Plan, args: argparse.Namespace, rank: int):
     model.train()
     inputs, spans = batch(args, per_replica, seed=replica)
     dp_group: Any = None
+    bucket: list[torch.Tensor] = []
     if pp == 1:
         if tp > 1:
             mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
@@ -198,7 +204,7 @@ def build_step(p: Plan, args: argparse.Namespace, rank: int):
                 loss = span_loss(torch.stack([out.start, out.end], -1), spans[part]) / micro
                 loss.backward()
             if dp > 1:
-                _flat_allreduce_([local_tensor(q.grad) for q in params], dp_group, dp)
+                _flat_allreduce_([local_tensor(q.grad) for q in params], dp_group, dp, bucket)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -224,7 +230,7 @@ def build_step(p: Plan, args: argparse.Namespace, rank: int):
     def step() -> None:
         pipe.step(inputs if pipe.is_first else (), spans if pipe.is_last else None)
         if dp > 1:
-            _flat_allreduce_([local_tensor(q.grad) for q in params], dp_group, dp)
+            _flat_allreduce_([local_tensor(q.grad) for q in params], dp_group, dp, bucket)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -403,6 +403,7 @@ def test_profile_of_a_real_tiny_bert(tiny_bert):
     sharded = 4 * (3 * c * c + 3 * c + c * c + c * inner + inner + inner * c)
     for x, y in zip(a.blocks, b.blocks, strict=True):
         assert x.activation_bytes > 0 and x.forward_s > 0 and x.backward_s > 0
+        assert x.optimizer_s > 0 and x.grad_copy_s > 0  # every block has parameters
         assert 1.8 <= y.activation_bytes / x.activation_bytes <= 2.2, x.name
         if x.tensor_parallel:
             assert x.tp_param_bytes == sharded
@@ -672,6 +673,40 @@ def test_the_sharded_layers_times_replace_the_share():
             BlockProfile.from_dict(dataclasses.asdict(layer) | {"tp_times": bad}, "prof.json")
     # a faster device: every time scaled, the sharded ones too
     assert timed.scaled(0.5).blocks[0].tp_times["2"]["forward_s"] == pytest.approx(0.4)
+
+
+def test_bucket_copies_count_with_data_parallelism_only():
+    """``E_s = max(0, AR_dp(W_s) - o M B) + sum_k C'_k + sum_k O'_k`` (the package docstring):
+    the bucket copies ``C_k`` scale with the local parameters like ``O_k`` (tensor parallelism
+    shards them) and cost nothing without data parallelism; ``scaled`` scales them too."""
+    import dataclasses
+
+    layer = BlockProfile(name="layer", forward_s=1.0, backward_s=2.0, activation_bytes=1e6,
+                         output_bytes=1e5, param_bytes=1e6, optimizer_s=0.4, grad_copy_s=0.2,
+                         tensor_parallel=True, tp_param_bytes=6e5, tp_activation_bytes=5e5,
+                         tp_allreduce_bytes=1e5)  # fmt: skip
+    head = BlockProfile(name="head", forward_s=0.5, backward_s=0.5, activation_bytes=1e5,
+                        output_bytes=1e3, param_bytes=1e5, optimizer_s=0.05, grad_copy_s=0.03)  # fmt: skip
+    profile = Profile(model="toy", batch=4, blocks=(layer, head), seq_len=16,
+                      tensor_parallel_degrees=(1, 2))  # fmt: skip
+    free = Network.parse("4:1e12:0", devices=4)  # communication free
+    cases = {  # (tp, dp): the update of the one stage
+        (1, 4): 0.2 + 0.03 + 0.4 + 0.05,
+        (2, 2): (0.2 + 0.4) * (1e6 - 6e5 / 2) / 1e6 + 0.03 + 0.05,
+    }
+    for (tp, dp), want in cases.items():
+        config = ParallelConfig(tp, 1, dp, 1, "1f1b", (0, 2))
+        got = predict_step_time(profile, free, config, global_batch=8)
+        assert got.breakdown["update_s"] == pytest.approx(want, rel=1e-12), (tp, dp)
+    alone = Network.parse("2:1e12:0", devices=2)  # tp 2, no replicas: no copies
+    got = predict_step_time(profile, alone, ParallelConfig(2, 1, 1, 1, "1f1b", (0, 2)),
+                            global_batch=8)  # fmt: skip
+    assert got.breakdown["update_s"] == pytest.approx(0.4 * 0.7 + 0.05, rel=1e-12)
+    assert got.breakdown["dp_grad_copy_s"] == 0.0
+    assert profile.scaled(0.5).blocks[0].grad_copy_s == pytest.approx(0.1)
+    assert Profile.from_dict(profile.to_dict()).blocks[1].grad_copy_s == 0.03
+    with pytest.raises(ValueError, match="grad_copy_s"):
+        BlockProfile.from_dict(dataclasses.asdict(head) | {"grad_copy_s": -1.0}, "prof.json")
 
 
 @pytest.mark.slow  # a child process

@@ -25,7 +25,9 @@ of ``repeats``): forward seconds ``F_k``, backward seconds ``B_k`` (including th
 the block's input, as in a pipeline), the bytes autograd saves for the backward ``a_k``
 (counted with ``torch.autograd.graph.saved_tensors_hooks``, each storage once, parameters
 excluded), the bytes of its outputs ``o_k`` (what a stage sends on), its parameter bytes
-``w_k`` and one AdamW step over its parameters ``O_k``. The times are measured again at a
+``w_k``, one AdamW step over its parameters ``O_k`` and the copies data parallelism adds
+around the all-reduce of its gradients ``C_k`` (into a flat bucket, the division, back), both
+timed after evicting the caches, as in a step. The times are measured again at a
 smaller micro-batch ``b1`` (default 2) to fit a fixed per-call part ``F0_k, B0_k`` (Python and
 kernel-launch overhead, and the lower efficiency of small matrix products).
 For a Transformer layer it also records the bytes of the tensors tensor parallelism shards
@@ -69,7 +71,8 @@ instead, and likewise the backward
 (two all-reduces forward, after the attention output and the second feed-forward linear,
 and two backward, for the input gradients of ``qkv`` and ``fc1``). Other blocks: ``F'_k =
 F_k(b)``, ``w'_k = w_k``, ... The optimizer step scales with the local parameters,
-``O'_k = O_k w'_k / w_k``.
+``O'_k = O_k w'_k / w_k``, and so do the bucket copies, ``C'_k = C_k w'_k / w_k`` (0 when
+``dp = 1``).
 
 **Pipeline** (``S = pp`` stages, stage ``s`` holds blocks ``beta_s .. beta_{s+1} - 1``, ``M``
 micro-batches of ``b = G / (dp M)`` samples, ``G`` the global batch). Per micro-batch, a
@@ -98,7 +101,7 @@ all-reduce its gradients (fp32, the local parameter bytes ``W_s = sum_k w'_k``) 
 optimizer; with an overlap fraction ``o`` (default 0: the gradient all-reduce starts after the
 backward, as ``trainers.parallel``'s data-parallel averaging does)::
 
-    E_s = max(0, AR_dp(W_s) - o M sum_k B'_k) + sum_k O'_k
+    E_s = max(0, AR_dp(W_s) - o M sum_k B'_k) + sum_k C'_k + sum_k O'_k
 
     T_step = T_pipe + max_s E_s
 

@@ -90,6 +90,7 @@ class _Costs:
         self._dp_ar = lambda nbytes: ar(nbytes, dp, dp_level)
         self.hop = [network.levels[h] for h in hops]
         fwd, bwd, comp, tpc, act, par, opt, out = ([] for _ in range(8))
+        copies = []  # the data-parallel bucket copies around the all-reduce (dp > 1)
         for b in profile.blocks:
             f = b.forward_fixed_s + (b.forward_s - b.forward_fixed_s) * ratio
             g = b.backward_fixed_s + (b.backward_s - b.backward_fixed_s) * ratio
@@ -119,11 +120,13 @@ class _Costs:
             act.append(a)
             par.append(w)
             opt.append(b.optimizer_s * (w / b.param_bytes) if b.param_bytes else 0.0)
+            copies.append(b.grad_copy_s * (w / b.param_bytes) if b.param_bytes and dp > 1 else 0.0)
             out.append(b.output_bytes * ratio)
         self.fwd, self.bwd, self.comp, self.tpc, self.out = fwd, bwd, comp, tpc, out
         self.act, self.par, self.opt = act, par, opt
         self._pf, self._pb = _prefix(fwd), _prefix(bwd)
         self._pa, self._pw, self._po = _prefix(act), _prefix(par), _prefix(opt)
+        self._pc = _prefix(copies)
         # lower bounds for the DP's pruning: what blocks i.. add at least
         self.rest = [0.0] * (self.n + 1)
         self.suf_f = [0.0] * (self.n + 1)
@@ -163,7 +166,7 @@ class _Costs:
         exposed = max(
             0.0, self._dp_ar(self._pw[j] - self._pw[i]) - self.overlap * self.m * backward
         )
-        return f, g, exposed + self._po[j] - self._po[i]
+        return f, g, exposed + self._pc[j] - self._pc[i] + self._po[j] - self._po[i]
 
     def objective(self, total_u: float, max_f: float, max_g: float, max_e: float) -> float:
         return total_u + (self.m - 1) * (max_f + max_g) + max_e
@@ -192,6 +195,7 @@ class _Costs:
                     "p2p_s": fin + bin_,
                     "dp_allreduce_s": dp_ar,
                     "dp_allreduce_exposed_s": exposed,
+                    "dp_grad_copy_s": self._pc[j] - self._pc[i],
                     "optimizer_s": self._po[j] - self._po[i],
                     "in_flight": self.in_flight(s),
                     "param_bytes": weights,
@@ -210,6 +214,7 @@ class _Costs:
             "update_s": update,
             "update_stage": slowest,
             "dp_allreduce_exposed_s": stages[slowest]["dp_allreduce_exposed_s"],
+            "dp_grad_copy_s": stages[slowest]["dp_grad_copy_s"],
             "optimizer_s": stages[slowest]["optimizer_s"],
             "forward_bottleneck_stage": fs.index(max(fs)),
             "backward_bottleneck_stage": gs.index(max(gs)),

@@ -27,7 +27,11 @@ class BlockProfile:
         output_bytes: bytes of the outputs ``o_k`` (sent to the next stage; the gradient sent
             back is taken to be as large).
         param_bytes: parameter bytes ``w_k``.
-        optimizer_s: one AdamW step over the block's parameters ``O_k`` (batch-independent).
+        optimizer_s: one AdamW step over the block's parameters ``O_k`` (batch-independent),
+            timed with the caches evicted (in a step, its state is read from memory).
+        grad_copy_s: what data parallelism adds around the all-reduce of the block's
+            gradients ``C_k``: the copy into a flat bucket, the division by the replica count
+            and the copy back (DDP's buckets), timed like ``optimizer_s``; 0: not measured.
         tensor_parallel: tensor parallelism splits the block (BERT's layers).
         tp_param_bytes: the part of ``param_bytes`` that is sharded ``w^tp_k``.
         tp_activation_bytes: the part of ``activation_bytes`` that is sharded ``a^tp_k``.
@@ -53,6 +57,7 @@ class BlockProfile:
     forward_fixed_s: float = 0.0
     backward_fixed_s: float = 0.0
     optimizer_s: float = 0.0
+    grad_copy_s: float = 0.0
     tensor_parallel: bool = False
     tp_param_bytes: float = 0.0
     tp_activation_bytes: float = 0.0
@@ -236,11 +241,12 @@ class Profile:
         )
 
     def scaled(self, compute_scale: float) -> Profile:
-        """Every time (compute and optimizer) multiplied by ``compute_scale`` (a device that
-        is ``1 / compute_scale`` times as fast as the profiling one)."""
+        """Every time (compute, optimizer and bucket copies) multiplied by ``compute_scale``
+        (a device that is ``1 / compute_scale`` times as fast as the profiling one)."""
         if not compute_scale > 0:
             raise ValueError(f"compute scale must be > 0, got {compute_scale}")
-        times = ("forward_s", "backward_s", "forward_fixed_s", "backward_fixed_s", "optimizer_s")
+        times = ("forward_s", "backward_s", "forward_fixed_s", "backward_fixed_s", "optimizer_s",
+                 "grad_copy_s")  # fmt: skip
         blocks = tuple(
             dataclasses.replace(
                 b,

@@ -154,23 +154,57 @@ def _time_block(block: nn.Module, inputs: Sequence[torch.Tensor], repeats: int, 
         if r >= warmup:
             forward.append(mid - start)
             backward.append(end - mid)
-    step = 0.0
+    step = copy = 0.0
     if optimizer and params:
-        opt = torch.optim.AdamW(params, lr=1e-8, foreach=True)
-        times = []
-        for r in range(warmup + repeats):
-            start = time.perf_counter()
-            opt.step()
-            if r >= warmup:
-                times.append(time.perf_counter() - start)
-        step = statistics.median(times)
+        step, copy = _time_update(params, repeats, warmup)
         for p in params:
             p.grad = None
     return {
         "forward_s": statistics.median(forward),
         "backward_s": statistics.median(backward),
         "optimizer_s": step,
+        "grad_copy_s": copy,
     }
+
+
+#: bytes written between timed runs of the memory-bound update to evict the caches: more than
+#: a server CPU's last-level cache slice (an AMD EPYC CCX: 32 MiB; an Intel Xeon socket: ~2 MiB
+#: per core). In a step, the forward and backward of the other blocks run between two touches
+#: of a block's optimizer state, so its update reads it from memory, not from a warm cache.
+EVICT_BYTES = 64 * 2**20
+
+
+def _time_update(params: Sequence[torch.Tensor], repeats: int, warmup: int) -> tuple[float, float]:
+    """Median seconds, each run after the caches are evicted, of (1) one step of AdamW as the
+    trainer builds it (``trainers.optim``'s ``adamw``: torch's default implementation, a loop
+    over the tensors on CPU) over ``params`` and (2) the copies data parallelism adds around
+    the all-reduce of their gradients: into a flat bucket, the division by the replica count,
+    and back (DDP's buckets; a persistent bucket, as DDP keeps)."""
+    evict = torch.empty(EVICT_BYTES // 4)
+    opt = torch.optim.AdamW(params, lr=1e-8)
+    grads = [p.grad for p in params if p.grad is not None]
+    bucket = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype) if grads else None
+    steps, copies = [], []
+    for r in range(warmup + repeats):
+        evict.fill_(r)
+        start = time.perf_counter()
+        opt.step()
+        stepped = time.perf_counter() - start
+        copied = 0.0
+        if bucket is not None:
+            evict.fill_(r + 0.5)
+            start = time.perf_counter()
+            torch.cat([g.reshape(-1) for g in grads], out=bucket)
+            bucket.div_(2)  # the mean over (here) two replicas
+            offset = 0
+            for g in grads:
+                g.copy_(bucket[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            copied = time.perf_counter() - start
+        if r >= warmup:
+            steps.append(stepped)
+            copies.append(copied)
+    return statistics.median(steps), statistics.median(copies)
 
 
 def _flops(block: nn.Module, inputs: Sequence[torch.Tensor]) -> float:
@@ -402,6 +436,7 @@ def profile_model(
                 forward_fixed_s=fixed_f,
                 backward_fixed_s=fixed_b,
                 optimizer_s=rec["optimizer_s"],
+                grad_copy_s=rec["grad_copy_s"],
                 activation_bytes=rec["activation_bytes"],
                 output_bytes=rec["output_bytes"],
                 param_bytes=float(sum(p.numel() * p.element_size() for p in block.parameters())),
