@@ -3,9 +3,10 @@
 For each world size (default 2 and 4 processes on 127.0.0.1, one thread each) and each
 (tp, pp, dp) of it, in turn:
 
-1. the loopback link is calibrated: all-reduces of 1 MiB and 16 MiB (median of 9 each)
-   give the per-byte time and the fixed cost of ``T = 2 (N-1)/N S / B + 2 (N-1) a``, and so
-   a one-level network ``"N:gbps:latency"`` for the planner;
+1. the loopback link is calibrated: an all-reduce of one float gives the per-message cost
+   ``a`` of ``T = 2 (N-1)/N S / B + 2 (N-1) a`` (median of 25) and one of 16 MiB the
+   bandwidth ``B`` (median of 9), and so a one-level network ``"N:gbps:latency"`` for the
+   planner;
 2. every rank profiles the same small BERT (span QA, ``trainers.parallel.plan.profile_model``)
    at the same time, so the profile sees the same number of processes per core as the run
    (4 processes on this machine's 2 cores: each gets about half a core) and the same
@@ -114,25 +115,29 @@ def batch(args: argparse.Namespace, n: int, seed: int) -> tuple[tuple[torch.Tens
 
 
 def calibrate(world: int) -> tuple[float, float]:
-    """``(gbps, latency_s)`` of this world's all-reduce, fitted to the ring formula."""
-    small, large = 2**20, 16 * 2**20  # bytes
-    times = {}
-    for size in (small, large):
-        x = torch.ones(size // 4)
+    """``(gbps, latency_s)`` of this world's all-reduce under the ring formula ``T = 2 (N-1)/N
+    S / B + 2 (N-1) a``: ``a`` from an all-reduce of one float (the formula's bytes term is
+    nothing there), ``B`` from 16 MiB less that latency. Medians of 25 and 9 calls, slowest
+    rank. (The latency was the residual of a 1 MiB and a 16 MiB fit before, which swung from
+    0 to 4.6 ms per message between runs of one hour.)"""
+
+    def timed(x: torch.Tensor, calls: int) -> float:
         dist.all_reduce(x)  # warm up the connection
         runs = []
-        for _ in range(9):
+        for _ in range(calls):
             dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(x)
             runs.append(time.perf_counter() - start)
         t = torch.tensor([statistics.median(runs)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times[size] = t.item()
-    per_byte = (times[large] - times[small]) / (large - small)  # 2 (N-1)/N / B
-    share = 2 * (world - 1) / world
-    gbps = 8 * share / per_byte / 1e9
-    latency = max(0.0, times[small] - per_byte * small) / (2 * (world - 1))
+        return t.item()
+
+    large = 16 * 2**20  # bytes
+    hops = 2 * (world - 1)
+    latency = timed(torch.ones(1), 25) / hops
+    per_byte = max(timed(torch.ones(large // 4), 9) - hops * latency, 1e-12) / large
+    gbps = 8 * (hops / world) / per_byte / 1e9  # per_byte = 2 (N-1)/N / B
     return gbps, latency
 
 
@@ -146,6 +151,10 @@ def median_profile(profiles: list[Profile]) -> Profile:
             v = getattr(block, f.name)
             if isinstance(v, float) and f.name.endswith("_s"):
                 v = statistics.median(getattr(p.blocks[k], f.name) for p in profiles)
+            elif f.name == "batch_times":  # per micro-batch and time, over the ranks
+                v = {m: {key: statistics.median(p.blocks[k].batch_times[m][key] for p in profiles)
+                         for key in times}
+                     for m, times in block.batch_times.items()}  # fmt: skip
             elif f.name == "tp_time_ratio":  # per degree, over the ranks that measured it
                 v = {d: statistics.median(p.blocks[k].tp_time_ratio[d] for p in profiles
                                           if d in p.blocks[k].tp_time_ratio)
@@ -266,7 +275,8 @@ def measure(rank: int, world: int, args: argparse.Namespace, network: Network | 
         torch.manual_seed(0)
         model = BertForQuestionAnswering(bert_config(args))
         own = profile_model(model, seq_len=args.seq_len, batch=args.profile_batch, repeats=5,
-                            warmup=2, name="bert_check")  # fmt: skip
+                            warmup=2, name="bert_check",
+                            larger_batches=args.profile_larger_batches)  # fmt: skip
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, own.to_dict())
         profile = median_profile([Profile.from_dict(d) for d in gathered])
@@ -372,6 +382,10 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--profile-batch", type=int, default=8)
+    p.add_argument("--profile-larger-batches", default=[16, 32],
+                   type=lambda t: [int(v) for v in t.split(",") if v],
+                   help="micro-batches above --profile-batch the profile also times (the "
+                        "plans' micro-batches go up to the global batch); '' for none")  # fmt: skip
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", default=None, help="also write every number here")

@@ -391,8 +391,11 @@ def tiny_bert():
 
 
 def test_profile_of_a_real_tiny_bert(tiny_bert):
-    a = profile_model(tiny_bert, seq_len=16, batch=2, repeats=2, warmup=1)
+    a = profile_model(tiny_bert, seq_len=16, batch=2, repeats=2, warmup=1, larger_batches=(4,))
     b = profile_model(tiny_bert, seq_len=16, batch=4, repeats=2, warmup=1)
+    with pytest.raises(ValueError, match="must all be above the profiling batch 2"):
+        profile_model(tiny_bert, seq_len=16, batch=2, larger_batches=(2, 4))
+    assert a.source["batches"] == [2, 4] and b.blocks[0].batch_times == {}
     model_bytes = sum(p.numel() * p.element_size() for p in tiny_bert.parameters())
     assert sum(blk.param_bytes for blk in a.blocks) == model_bytes
     assert [blk.name for blk in a.blocks] == ["embeddings", "layer0", "layer1", "head"]
@@ -404,6 +407,7 @@ def test_profile_of_a_real_tiny_bert(tiny_bert):
     for x, y in zip(a.blocks, b.blocks, strict=True):
         assert x.activation_bytes > 0 and x.forward_s > 0 and x.backward_s > 0
         assert x.optimizer_s > 0 and x.grad_copy_s > 0  # every block has parameters
+        assert set(x.batch_times) == {"4"} and x.batch_times["4"]["backward_s"] > 0
         assert 1.8 <= y.activation_bytes / x.activation_bytes <= 2.2, x.name
         if x.tensor_parallel:
             assert x.tp_param_bytes == sharded
@@ -536,6 +540,13 @@ def test_cli_with_a_profile_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         planner.main([*argv, "--micro-batches", "2,x"])
     assert "--micro-batches" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        planner.main([*argv[2:], "--model", "bert_12_768_12", "--profile-batch", "4",
+                      "--profile-larger-batches", "4,8"])  # fmt: skip
+    assert info.value.code == 2
+    assert "--profile-larger-batches [4] must be above --profile-batch 4" in (
+        capsys.readouterr().err
+    )
     # the module runs as a program
     result = subprocess.run(
         [sys.executable, "-m", "trainers.parallel.plan", *argv], cwd=ROOT, capture_output=True,
@@ -707,6 +718,58 @@ def test_bucket_copies_count_with_data_parallelism_only():
     assert Profile.from_dict(profile.to_dict()).blocks[1].grad_copy_s == 0.03
     with pytest.raises(ValueError, match="grad_copy_s"):
         BlockProfile.from_dict(dataclasses.asdict(head) | {"grad_copy_s": -1.0}, "prof.json")
+
+
+def test_larger_batches_are_interpolated_and_bend_the_sharded_line():
+    """Above the profile's batch the block's time is piecewise linear through the measured
+    batches (extrapolated along the last piece past them); below it, the line through the
+    profile's two batches. A sharded layer's line bends by the same factor."""
+    import dataclasses
+
+    block = BlockProfile(name="layer", forward_s=1.0, backward_s=2.0, forward_fixed_s=0.2,
+                         backward_fixed_s=0.4, activation_bytes=1e6, output_bytes=1e5,
+                         param_bytes=1e6, tensor_parallel=True, tp_param_bytes=5e5,
+                         batch_times={"8": {"forward_s": 2.4, "backward_s": 4.0},
+                                      "16": {"forward_s": 5.6, "backward_s": 8.8}})  # fmt: skip
+    profile = Profile(model="toy", batch=4, blocks=(block,), seq_len=16,
+                      tensor_parallel_degrees=(1, 2))  # fmt: skip
+    one = Network.parse("1:1e12:0", devices=1)
+
+    def compute(micro: int, prof: Profile = profile, net: Network = one, tp: int = 1) -> float:
+        got = predict_step_time(prof, net, ParallelConfig(tp, 1, 1, 1, "1f1b", (0, 1)),
+                                global_batch=micro)  # fmt: skip
+        return got.step_s - got.breakdown["update_s"]
+
+    line = lambda b: 0.2 + 0.8 * b / 4 + 0.4 + 1.6 * b / 4  # noqa: E731
+    assert compute(2) == pytest.approx(line(2), rel=1e-12)  # below: the line
+    assert compute(4) == pytest.approx(3.0, rel=1e-12)
+    assert compute(6) == pytest.approx((1.0 + 2.0) + (2.4 + 4.0 - 3.0) * 2 / 4, rel=1e-12)
+    assert compute(12) == pytest.approx(6.4 + (14.4 - 6.4) * 4 / 8, rel=1e-12)
+    assert compute(32) == pytest.approx(14.4 + (14.4 - 6.4) * 16 / 8, rel=1e-12)  # past 16
+    plain = dataclasses.replace(profile, blocks=(dataclasses.replace(block, batch_times={}),))
+    assert compute(12, plain) == pytest.approx(line(12), rel=1e-12)
+    # the sharded layer's own line, bent like the whole block's at micro-batch 12
+    sharded = {"forward_s": 0.6, "backward_s": 1.2, "forward_fixed_s": 0.1,
+               "backward_fixed_s": 0.2}  # fmt: skip
+    tp_prof = dataclasses.replace(
+        profile, blocks=(dataclasses.replace(block, tp_times={"2": sharded}),)
+    )
+    free2 = Network.parse("2:1e12:0", devices=2)
+    bend_f = (2.4 + (5.6 - 2.4) * 4 / 8) / (0.2 + 0.8 * 3)
+    bend_g = (4.0 + (8.8 - 4.0) * 4 / 8) / (0.4 + 1.6 * 3)
+    want = bend_f * (0.1 + 0.5 * 3) + bend_g * (0.2 + 1.0 * 3)
+    assert compute(12, tp_prof, free2, 2) == pytest.approx(want, rel=1e-12)
+    # JSON: kept, scaled, and only above the profile's batch
+    assert Profile.from_dict(profile.to_dict()).blocks[0].batch_times == block.batch_times
+    assert profile.scaled(0.5).blocks[0].batch_times["16"]["backward_s"] == pytest.approx(4.4)
+    low = profile.to_dict()
+    low["blocks"][0]["batch_times"] = {"4": {"forward_s": 1.0, "backward_s": 2.0}}
+    with pytest.raises(ValueError, match="only those above the profile's 'batch' .4."):
+        Profile.from_dict(low, "prof.json")
+    for bad in ({"x": {"forward_s": 1.0, "backward_s": 1.0}}, {"8": {"forward_s": 1.0}},
+                {"8": {"forward_s": -1.0, "backward_s": 1.0}}):  # fmt: skip
+        with pytest.raises(ValueError, match="'batch_times' maps micro-batch sizes"):
+            BlockProfile.from_dict(dataclasses.asdict(block) | {"batch_times": bad}, "prof.json")
 
 
 @pytest.mark.slow  # a child process

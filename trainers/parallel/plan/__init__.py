@@ -29,7 +29,10 @@ excluded), the bytes of its outputs ``o_k`` (what a stage sends on), its paramet
 around the all-reduce of its gradients ``C_k`` (into a flat bucket, the division, back), both
 timed after evicting the caches, as in a step. The times are measured again at a
 smaller micro-batch ``b1`` (default 2) to fit a fixed per-call part ``F0_k, B0_k`` (Python and
-kernel-launch overhead, and the lower efficiency of small matrix products).
+kernel-launch overhead, and the lower efficiency of small matrix products), and optionally at
+larger micro-batches (``larger_batches``; ``batch_times``): above ``b0`` the time is then
+piecewise linear through the measured batches instead of the line (the time per sample grows
+once the activations leave the caches).
 For a Transformer layer it also records the bytes of the tensors tensor parallelism shards
 ``w^tp_k`` (the column-parallel ``qkv`` and ``fc1`` weights and biases, the row-parallel
 ``proj`` and ``fc2`` weights: the layout of :func:`trainers.parallel.parallelize_bert`), the

@@ -112,6 +112,10 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--profile", default=None, help="read this profile JSON")
     source.add_argument("--save-profile", default=None, help="profile here and write it")
     p.add_argument("--profile-batch", type=int, default=4, help="profiling micro-batch")
+    p.add_argument("--profile-larger-batches", type=_int_list("--profile-larger-batches"),
+                   default=[], help="micro-batches above --profile-batch also timed, e.g. "
+                   "16,64: the plans' larger micro-batches are interpolated between measured "
+                   "times, not extrapolated")  # fmt: skip
     p.add_argument("--profile-repeats", type=int, default=5)
     p.add_argument("--optimizer-state-factor", type=float, default=DEFAULT_OPTIMIZER_STATE_FACTOR,
                    help="bytes kept per parameter byte (4: weights, grads, Adam's moments)")  # fmt: skip
@@ -180,11 +184,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         if args.model is None:
             parser.error("give --model to profile (or --profile with a saved profile)")
+        low = [b for b in args.profile_larger_batches if b <= args.profile_batch]
+        if low:
+            parser.error(f"--profile-larger-batches {low} must be above --profile-batch "
+                         f"{args.profile_batch}")  # fmt: skip
         try:
             profile = profile_model(
                 args.model, seq_len=args.seq_len, image_size=args.image_size,
                 batch=args.profile_batch, repeats=args.profile_repeats,
-                overrides=args.bert_config,
+                overrides=args.bert_config, larger_batches=args.profile_larger_batches,
             )  # fmt: skip
         except ValueError as exc:
             parser.error(f"--model {args.model}: {exc}")

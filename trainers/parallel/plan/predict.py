@@ -16,7 +16,7 @@ from typing import Any
 from trainers.parallel.pipeline import PIPELINE_SCHEDULES
 from trainers.parallel.plan._io import _check_unknown, _get, _read_json, _write_json
 from trainers.parallel.plan.network import Network, _layout_levels, allreduce_time, p2p_time
-from trainers.parallel.plan.profile import Profile
+from trainers.parallel.plan.profile import BlockProfile, Profile
 
 SCHEDULES = PIPELINE_SCHEDULES  # ("gpipe", "1f1b")
 PLAN_FORMAT = 1
@@ -92,18 +92,19 @@ class _Costs:
         fwd, bwd, comp, tpc, act, par, opt, out = ([] for _ in range(8))
         copies = []  # the data-parallel bucket copies around the all-reduce (dp > 1)
         for b in profile.blocks:
-            f = b.forward_fixed_s + (b.forward_s - b.forward_fixed_s) * ratio
-            g = b.backward_fixed_s + (b.backward_s - b.backward_fixed_s) * ratio
+            f = _block_time(b, "forward_s", self.micro_batch, profile.batch)
+            g = _block_time(b, "backward_s", self.micro_batch, profile.batch)
             a, w = b.activation_bytes * ratio, b.param_bytes
             comm = 0.0
             if b.tensor_parallel and tp > 1:
                 sharded = b.tp_times.get(str(tp))
                 if sharded is not None:  # timed sharded (DTensor), at the profile's batch
-                    f = (
+                    # its line, bent as the whole block's time bends at larger batches
+                    f = _bend(b, "forward_s", self.micro_batch, profile.batch) * (
                         sharded["forward_fixed_s"]
                         + (sharded["forward_s"] - sharded["forward_fixed_s"]) * ratio
                     )
-                    g = (
+                    g = _bend(b, "backward_s", self.micro_batch, profile.batch) * (
                         sharded["backward_fixed_s"]
                         + (sharded["backward_s"] - sharded["backward_fixed_s"]) * ratio
                     )
@@ -224,6 +225,35 @@ class _Costs:
         step = self.objective(total_u, max(fs), max(gs), update)
         memory = max(st["memory_bytes"] for st in stages)
         return Prediction(step, memory, breakdown)
+
+
+def _line(block: BlockProfile, key: str, micro_batch: int, batch: int) -> float:
+    """``key``'s time at ``micro_batch`` on the line through the profile's two batches: the
+    per-call part once, the rest in proportion to the micro-batch."""
+    fixed = getattr(block, key.replace("_s", "_fixed_s"))
+    return fixed + (getattr(block, key) - fixed) * micro_batch / batch
+
+
+def _block_time(block: BlockProfile, key: str, micro_batch: int, batch: int) -> float:
+    """``key`` (``forward_s``/``backward_s``) of ``block`` at ``micro_batch``: up to the profile's
+    ``batch`` the line (:func:`_line`); above it, piecewise linear through the times measured at
+    ``batch`` and at the larger batches of ``batch_times``, and past the largest along its last
+    piece (the line where none is measured)."""
+    points = sorted((int(m), t[key]) for m, t in block.batch_times.items() if int(m) > batch)
+    if micro_batch <= batch or not points:
+        return _line(block, key, micro_batch, batch)
+    points.insert(0, (batch, getattr(block, key)))
+    pieces = list(itertools.pairwise(points))
+    # the piece that holds micro_batch, else the last one (extrapolated along it)
+    (b1, t1), (b2, t2) = next((p for p in pieces if micro_batch <= p[1][0]), pieces[-1])
+    return t1 + (t2 - t1) * (micro_batch - b1) / (b2 - b1)
+
+
+def _bend(block: BlockProfile, key: str, micro_batch: int, batch: int) -> float:
+    """How far the measured larger batches bend ``block``'s time away from its line at
+    ``micro_batch`` (1: not at all)."""
+    line = _line(block, key, micro_batch, batch)
+    return _block_time(block, key, micro_batch, batch) / line if line > 0 else 1.0
 
 
 def _prefix(values: Sequence[float]) -> list[float]:

@@ -46,6 +46,11 @@ class BlockProfile:
             (DTensor, one rank of a fake process group: local compute and DTensor's
             per-operation overhead, no communication; :mod:`._tp_probe`). Where a degree is
             listed the planner takes these in place of ``rho_k(t)`` times the whole block's.
+        batch_times: per larger micro-batch ``b`` (a string key, above the profile's), the
+            block's ``forward_s`` and ``backward_s`` measured at ``b``: above the profile's
+            batch the planner interpolates between the measured batches instead of following
+            the line through the profile's two (the time per sample grows with the batch once
+            the activations leave the caches); empty: the line.
     """
 
     name: str
@@ -65,6 +70,7 @@ class BlockProfile:
     flops: float = 0.0
     tp_time_ratio: dict[str, float] = field(default_factory=dict)
     tp_times: dict[str, dict[str, float]] = field(default_factory=dict)
+    batch_times: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> BlockProfile:
@@ -89,6 +95,8 @@ class BlockProfile:
                 values[f.name] = {k: float(v) for k, v in ratios.items()}
             elif f.name == "tp_times":
                 values[f.name] = _tp_times(_get(data, f.name, where, dict, default={}), where)
+            elif f.name == "batch_times":
+                values[f.name] = _batch_times(_get(data, f.name, where, dict, default={}), where)
             else:
                 default = _MISSING if f.default is dataclasses.MISSING else f.default
                 values[f.name] = _get(data, f.name, where, float, default=default, minimum=0.0)
@@ -140,6 +148,29 @@ def _tp_times(data: dict[str, Any], where: str) -> dict[str, dict[str, float]]:
                     f"larger than {whole} ({times[whole]:g})"
                 )
         out[key] = {k: float(times[k]) for k in _TP_TIME_KEYS}
+    return out
+
+
+_BATCH_TIME_KEYS = ("forward_s", "backward_s")
+
+
+def _batch_times(data: dict[str, Any], where: str) -> dict[str, dict[str, float]]:
+    """Field ``batch_times``: micro-batches (strings of positive integers) -> the forward and
+    backward seconds there (>= 0)."""
+    out = {}
+    for key, times in data.items():
+        ok = key.isdigit() and int(key) > 0 and isinstance(times, dict)
+        ok = ok and set(times) == set(_BATCH_TIME_KEYS)
+        ok = ok and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+            for v in times.values()
+        )
+        if not ok:
+            raise ValueError(
+                f"{where}: field 'batch_times' maps micro-batch sizes (as strings) to objects "
+                f"with the seconds {', '.join(_BATCH_TIME_KEYS)} (>= 0); got {key!r}: {times!r}"
+            )
+        out[key] = {k: float(times[k]) for k in _BATCH_TIME_KEYS}
     return out
 
 
@@ -229,6 +260,13 @@ class Profile:
         blocks = tuple(
             BlockProfile.from_dict(b, f"{where}: blocks[{i}]") for i, b in enumerate(blocks_data)
         )
+        for i, b in enumerate(blocks):
+            low = [m for m in b.batch_times if int(m) <= batch]
+            if low:
+                raise ValueError(
+                    f"{where}: blocks[{i}]: field 'batch_times' has micro-batches {low}; it holds "
+                    f"only those above the profile's 'batch' ({batch})"
+                )
         return cls(
             model=model,
             batch=batch,
@@ -254,6 +292,10 @@ class Profile:
                 tp_times={
                     d: {k: v * compute_scale for k, v in ts.items()} for d, ts in b.tp_times.items()
                 },  # fmt: skip
+                batch_times={
+                    m: {k: v * compute_scale for k, v in ts.items()}
+                    for m, ts in b.batch_times.items()
+                },
             )
             for b in self.blocks
         )
