@@ -79,10 +79,11 @@ from trainers.parallel.plan import (  # noqa: E402
 )
 
 TCP_PAYLOAD = 1448 / 1514  # TCP payload of a 1514-byte Ethernet frame at MTU 1500 (timestamps on)
-#: the lab's per-message latency (s): the median of the per-message costs calibrated on loopback
-#: on this machine (docs/model_parallel.md's plan_check table, 9 plans: 626-1557 us); the lab
-#: adds no propagation delay, so a message costs the same software time there
-LAB_LATENCY_US = 919.0
+#: the lab's per-message latency (us): the median of the per-message costs calibrated on
+#: loopback on this machine by :func:`calibrate` (one-float all-reduces; two runs of 9 plans on
+#: 2026-12-07: 117-880 us, median 147); the lab adds no propagation delay, so a message costs
+#: the same software time there. (919 us before, the median of the old fit's residuals.)
+LAB_LATENCY_US = 147.0
 CONFIGS = {  # (tp, pp, dp) per world size
     2: [(1, 1, 2), (2, 1, 1), (1, 2, 1)],
     4: [(1, 1, 4), (2, 1, 2), (4, 1, 1), (1, 2, 2), (1, 4, 1), (2, 2, 1)],
