@@ -123,55 +123,48 @@ class BlockProfile:
 
 
 _TP_TIME_KEYS = ("forward_s", "backward_s", "forward_fixed_s", "backward_fixed_s")
+_BATCH_TIME_KEYS = ("forward_s", "backward_s")
 
 
-def _tp_times(data: dict[str, Any], where: str) -> dict[str, dict[str, float]]:
-    """Field ``tp_times``: degrees > 1 (strings) -> the four times, seconds >= 0, each per-call
-    part at most its whole."""
+def _times_by(data: dict[str, Any], where: str, name: str, least: int, what: str,
+              keys: tuple[str, ...]) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Field ``name``: integers >= ``least`` as strings (``what``) -> objects with exactly the
+    seconds ``keys``, each >= 0."""
     out = {}
     for key, times in data.items():
-        ok = key.isdigit() and int(key) > 1 and isinstance(times, dict)
-        ok = ok and set(times) == set(_TP_TIME_KEYS)
+        ok = key.isdigit() and int(key) >= least and isinstance(times, dict)
+        ok = ok and set(times) == set(keys)
         ok = ok and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
             for v in times.values()
         )
         if not ok:
             raise ValueError(
-                f"{where}: field 'tp_times' maps degrees > 1 (as strings) to objects with the "
-                f"seconds {', '.join(_TP_TIME_KEYS)} (>= 0); got {key!r}: {times!r}"
+                f"{where}: field {name!r} maps {what} (as strings) to objects with the seconds "
+                f"{', '.join(keys)} (>= 0); got {key!r}: {times!r}"
             )
+        out[key] = {k: float(times[k]) for k in keys}
+    return out
+
+
+def _tp_times(data: dict[str, Any], where: str) -> dict[str, dict[str, float]]:
+    """Field ``tp_times``: degrees > 1 (strings) -> the four times, seconds >= 0, each per-call
+    part at most its whole."""
+    out = _times_by(data, where, "tp_times", 2, "degrees > 1", _TP_TIME_KEYS)
+    for key, times in out.items():
         for part, whole in (("forward_fixed_s", "forward_s"), ("backward_fixed_s", "backward_s")):
             if times[part] > times[whole] * (1 + 1e-9):
                 raise ValueError(
                     f"{where}: field 'tp_times' at degree {key}: {part} ({times[part]:g}) is "
                     f"larger than {whole} ({times[whole]:g})"
                 )
-        out[key] = {k: float(times[k]) for k in _TP_TIME_KEYS}
     return out
-
-
-_BATCH_TIME_KEYS = ("forward_s", "backward_s")
 
 
 def _batch_times(data: dict[str, Any], where: str) -> dict[str, dict[str, float]]:
     """Field ``batch_times``: micro-batches (strings of positive integers) -> the forward and
     backward seconds there (>= 0)."""
-    out = {}
-    for key, times in data.items():
-        ok = key.isdigit() and int(key) > 0 and isinstance(times, dict)
-        ok = ok and set(times) == set(_BATCH_TIME_KEYS)
-        ok = ok and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
-            for v in times.values()
-        )
-        if not ok:
-            raise ValueError(
-                f"{where}: field 'batch_times' maps micro-batch sizes (as strings) to objects "
-                f"with the seconds {', '.join(_BATCH_TIME_KEYS)} (>= 0); got {key!r}: {times!r}"
-            )
-        out[key] = {k: float(times[k]) for k in _BATCH_TIME_KEYS}
-    return out
+    return _times_by(data, where, "batch_times", 1, "micro-batch sizes", _BATCH_TIME_KEYS)
 
 
 _PART_OF = {
