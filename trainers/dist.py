@@ -338,7 +338,7 @@ class DistEnv:
         if self.owns_process_group and dist.is_initialized():
             if barrier and self.distributed:
                 self.barrier()
-                _leave_together()
+                _leave_together(self)
             while _WATCHDOGS:  # before the store goes: the job is ending
                 _WATCHDOGS.pop().stop()
             dist.destroy_process_group()
@@ -583,18 +583,27 @@ _WATCHDOGS: list[PeerWatchdog] = []  # this process's (one at most); destroy() s
 _EXITS = [0]  # destroy()s so far in this process: the key of the next exit count
 
 
-def _leave_together(timeout: float = 60.0) -> None:
+def _leave_together(env: DistEnv, timeout: float = 60.0) -> None:
     """After the closing barrier: wait in the rendezvous store until every rank has returned
     from it, so that no rank tears its gloo pairs down while a peer's barrier may still be
     reading from them (a gloo barrier can return on one rank before its last message reached
     another; rank 1 then aborted at exit, "terminate called without an active exception", in
-    about one CI run of six). Bounded: after ``timeout`` s it goes on (a peer died)."""
+    about one CI run of six). Bounded: after ``timeout`` s it goes on (a peer died).
+
+    The key names this group's exit: the largest of the members' torchrun restart counts (a
+    store may outlive a group) and this process's count of exits. Each torchrun agent counts
+    its own restarts, so members of one group can differ (the nodes that lost a peer restarted
+    once more than a node that was cut off and came back); a key from each member's own count
+    had them wait on different keys until the timeout (a lab partition drill in CI)."""
     try:
         store = dist.distributed_c10d._get_default_store()
     except (RuntimeError, AttributeError, ValueError):
         return
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted world counts anew
-    key = f"modelzoo/exit/{restart}/{_EXITS[0]}"
+    count = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))])
+    if env.backend == "nccl":
+        count = count.to(env.device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    key = f"modelzoo/exit/{int(count.item())}/{_EXITS[0]}"
     _EXITS[0] += 1
     if store.add(key, 1) == dist.get_world_size():  # the last rank to arrive opens the door
         store.set(f"{key}/all", "1")

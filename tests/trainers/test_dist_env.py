@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import trainers.dist as dist_module
+from tests.trainers._launch import run_ranks
 from trainers import DistEnv
 
 TORCHRUN_VARS = (
@@ -115,3 +117,15 @@ def test_destroy_waits_for_every_rank_unless_leaving_after_an_error(clean_env):
     calls.clear()
     DistEnv(rank=1, world_size=2, backend="gloo", owns_process_group=False).destroy()
     assert calls == []  # a process group the caller made is left alone
+
+
+@pytest.mark.slow  # two processes
+def test_ranks_whose_agents_restarted_differently_leave_together_at_once():
+    """Each torchrun agent counts its own restarts, so one group's members can carry different
+    ``TORCHELASTIC_RESTART_COUNT`` s (after a partition). The closing handshake's key must be
+    the group's, not each member's: with per-member keys every rank waited out its 60 s."""
+    outputs = run_ranks("tests.trainers._leave_worker", [], world=2, timeout=120)
+    for rank, out in enumerate(outputs):
+        match = re.search(rf"rank {rank} left in ([0-9.]+) s", out)
+        assert match, out
+        assert float(match.group(1)) < 20, out
