@@ -203,7 +203,7 @@ class DataParallelLBFGS:
         self.evaluations = 0  # objective evaluations that sent a message
         self.iterations = 0
         self.converged = False
-        # the last evaluation: (weights' key, F, ∇F per parameter, ∇F flat, the grads' key)
+        # the last evaluation (what :meth:`evaluate` hands back while the weights are its)
         self._cache: _Evaluation | None = None
         self.set_objective(local_loss_sum, num_examples)
 
