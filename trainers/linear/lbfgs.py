@@ -256,6 +256,14 @@ class DataParallelLBFGS:
         a tensor's version; a replaced ``.data`` moves its storage)."""
         return tuple((-1, -1) if t is None else (t.data_ptr(), t._version) for t in tensors)
 
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat`` shaped as the parameters, in order."""
+        views, offset = [], 0
+        for p in self.params:
+            views.append(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return views
+
     def _cached(self) -> _Evaluation | None:
         """The last evaluation, if the weights are the ones it was made at: not written since
         (their versions), or written back to the same values (a step that rounds to nothing:
@@ -304,11 +312,7 @@ class DataParallelLBFGS:
         self.evaluations += 1
         buffer /= self.num_examples
         loss = buffer[0]
-        offset = 1
-        total: list[torch.Tensor] = []
-        for p in self.params:
-            total.append(buffer[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        total = self._split(buffer[1:])
         if self.penalty is not None:
             with torch.enable_grad():
                 r = self.penalty()
@@ -380,13 +384,10 @@ class DataParallelLBFGS:
             p.grad = None
         if cache is not None and self._same(list(cache["params"]), self._current()):
             flat = torch.cat([g.reshape(-1) for g in cache["grads"]])
-            grads, offset = [], 0
-            for p in self.params:
-                grads.append(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
             self._cache = _Evaluation(
-                self._versions(self.params), self._key(), float(cache["loss"]), grads, flat, None
-            )
+                self._versions(self.params), self._key(), float(cache["loss"]),
+                self._split(flat), flat, None,
+            )  # fmt: skip
             self._set_grads(self._cache)
 
     def run(self, max_iter: int, callback: Callable[[int, float], None] | None = None) -> float:
