@@ -70,6 +70,7 @@ from trainers.comm.sparse import (  # noqa: E402
     CostModel,
     estimate_costs,
     estimate_features,
+    measure_compute,
     sparse_allreduce,
 )
 from trainers.netlab import interface_tx_bytes  # noqa: E402
@@ -245,14 +246,44 @@ def run_world(rank: int, world: int, port: int, args: argparse.Namespace, queue)
 
 
 # ------------------------------------------------------------------------------ the lab network
-def lab_cost(cap_bits: int, latency_us: float | None = None) -> CostModel:
+def lab_cost(cap_bits: int, latency_us: float | None = None, **fields) -> CostModel:
     """``auto``'s cost model on a lab link capped at ``cap_bits``: the bandwidth is the cap's
-    TCP payload rate; latency (unless given), merge, scan and swap are :class:`CostModel`'s
-    defaults, measured on loopback (the lab has no propagation delay: a message costs the same
-    software time as on loopback)."""
+    TCP payload rate; latency ``latency_us`` (else :class:`CostModel`'s default); ``fields``:
+    the others (the measured computation constants, the swap factor, ``cpu_share``)."""
     base = CostModel()
     latency = base.latency if latency_us is None else latency_us * 1e-6
-    return CostModel(latency=latency, bandwidth=cap_bits * TCP_PAYLOAD / 8)
+    return CostModel(latency=latency, bandwidth=cap_bits * TCP_PAYLOAD / 8, **fields)
+
+
+def cores() -> int:
+    """The cores this process may run on (the lab's nodes all share them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def calibrate_network(repeats: int = 31) -> dict:
+    """The lab's per-message latency and a swap's cost, measured on the initialized default
+    group before the benchmark (the same network, tiny messages, not the algorithms): the
+    median slowest-rank time of a one-float ``all_reduce`` over its ``2 (N - 1)`` ring steps,
+    and of an 8-byte swap between ranks ``r`` and ``r xor 1`` over that latency."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    one = torch.zeros(1)
+    head, theirs = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    peer = rank ^ 1
+
+    def swap() -> None:
+        if peer < world:
+            ops = [dist.P2POp(dist.irecv, theirs, peer), dist.P2POp(dist.isend, head, peer)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+    for _ in range(3):  # warm-up: connections, first-call costs
+        timed(lambda: dist.all_reduce(one))
+        timed(swap)
+    allreduce = statistics.median(timed(lambda: dist.all_reduce(one))[0] for _ in range(repeats))
+    swapped = statistics.median(timed(swap)[0] for _ in range(repeats))
+    latency = allreduce / (2 * (world - 1))
+    return {"allreduce_s": allreduce, "swap_s": swapped, "latency": latency,
+            "swap": max(swapped / latency, 1e-3)}  # fmt: skip
 
 
 def worker(config: Path) -> None:
@@ -264,9 +295,18 @@ def worker(config: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=conf["gloo_timeout"]))
     rank, world = dist.get_rank(), dist.get_world_size()
-    cost = CostModel(**conf["cost"]) if conf.get("cost") else None
+    cost, calibration = None, None
+    if conf.get("cost"):
+        fields = dict(conf["cost"])
+        if conf.get("calibrate"):  # this lab's latency and swap, measured before the rounds
+            calibration = calibrate_network()
+            fields.update(latency=calibration["latency"], swap=calibration["swap"])
+        cost = CostModel(**fields)
     rows = bench(rank, world, args, cost)
     if rank == 0:
+        for row in rows:
+            row["cost_model"] = dataclasses.asdict(cost) if cost else None
+            row["calibration"] = calibration
         Path(conf["out"]).write_text(json.dumps(rows))
     dist.barrier()  # no rank leaves while a peer still talks to it
     dist.destroy_process_group()
@@ -280,8 +320,10 @@ def run_on_lab(world: int, cap: str, args: argparse.Namespace, cost: CostModel) 
     with tempfile.TemporaryDirectory(prefix="bench_sparse_lab_") as tmp:
         config, out, log = Path(tmp, "config.json"), Path(tmp, "rows.json"), Path(tmp, "ranks.log")
         settings = {k: v for k, v in vars(args).items() if k != "json"}
-        config.write_text(json.dumps({"args": settings, "out": str(out),
-                                      "cost": dataclasses.asdict(cost),
+        fields = dataclasses.asdict(cost)
+        fields["cpu_share"] = world / cores()  # the nodes share this machine's cores
+        config.write_text(json.dumps({"args": settings, "out": str(out), "cost": fields,
+                                      "calibrate": args.latency_us is None,
                                       "gloo_timeout": max(60, args.timeout // 2)}))  # fmt: skip
         name = f"sp{os.getpid() % 10**6}n{world}"
         with Lab(world, bandwidth=cap, name=name) as lab, open(log, "w") as logf:
@@ -302,14 +344,17 @@ def run_on_lab(world: int, cap: str, args: argparse.Namespace, cost: CostModel) 
     return rows
 
 
-def lab_report(rows: list[dict], cost: CostModel) -> dict:
-    """Per setting: measured median and predicted time of each algorithm, relative errors,
-    the formula's, ``auto``'s and the measured pick, and where each sparse algorithm beats the
+def lab_report(rows: list[dict], cost: CostModel | None = None) -> dict:
+    """Per setting: measured median and predicted time of each algorithm (by ``cost``, else
+    by the row's own ``cost_model``: the one its run calibrated), relative errors, the
+    formula's, ``auto``'s and the measured pick, and where each sparse algorithm beats the
     all-gather (measured, and by the formula); returns the summary (``max_rel_error``)."""
     worst, agree, where = 0.0, 0, []
     for row in rows:
         counts = [row["k"]] * row["world"]
-        est = estimate_costs(counts, row["numel"], 4, cost=cost, union=row["union"])
+        model = cost if cost is not None else CostModel(**row["cost_model"])
+        est = estimate_costs(counts, row["numel"], 4, cost=model, union=row["union"],
+                             dense_output=True)  # fmt: skip
         med = {n: statistics.median(row["times"][n]) for n in row["times"]}
         rel = {n: (est[n] - med[n]) / med[n] for n in ALGORITHMS}
         predicted = min(ALGORITHMS, key=lambda n: est[n])
@@ -357,22 +402,32 @@ def main_netlab(args: argparse.Namespace) -> None:
     if why:
         print(f"bench_sparse --netlab: {why}", file=sys.stderr)
         raise SystemExit(2)
-    cost = lab_cost(parse_rate(args.netlab), args.latency_us)
+    torch.set_num_threads(1)  # as each rank runs
+    compute = measure_compute()
+    cost = lab_cost(parse_rate(args.netlab), args.latency_us, **compute)
     print(machine_line())
+    latency = (f"latency={cost.latency:g} s, swap={cost.swap:g}" if args.latency_us is not None
+               else "latency and swap measured on each lab before its rounds")  # fmt: skip
     print(f"lab network: one rank per node, {args.netlab} each way per node, gloo over TCP; "
-          f"auto's CostModel(latency={cost.latency:g} s, bandwidth={cost.bandwidth:.4g} B/s "
-          f"= {args.netlab} x 1448/1514 / 8, merge={cost.merge:g}, scan={cost.scan:g}, "
-          f"swap={cost.swap:g})")  # fmt: skip
+          f"auto's CostModel({latency}, bandwidth={cost.bandwidth:.4g} B/s "
+          f"= {args.netlab} x 1448/1514 / 8, measured here in one process: merge={cost.merge:.3g}, "
+          f"scan={cost.scan:.3g}, fill={cost.fill:.3g}, scatter={cost.scatter:.3g}; "
+          f"cpu_share = nodes / {cores()} cores)")  # fmt: skip
     rows = []
     for world in [int(w) for w in args.worlds.split(",")]:
         rows += run_on_lab(world, args.netlab, args, cost)
-    summary = lab_report(rows, cost)
+        cal = rows[-1].get("calibration")
+        if cal:
+            print(f"{world} nodes: one-float all-reduce {cal['allreduce_s'] * 1e6:.0f} us -> "
+                  f"latency {cal['latency'] * 1e6:.0f} us per message; 8-byte swap "
+                  f"{cal['swap_s'] * 1e6:.0f} us = {cal['swap']:.2f} messages")  # fmt: skip
+    summary = lab_report(rows)
     if args.json:
         from _report import write_json  # noqa: PLC0415
 
         write_json(args.json, {"benchmark": "bench_sparse", "netlab": args.netlab,
                                "command": [Path(sys.argv[0]).as_posix(), *sys.argv[1:]],
-                               "cost_model": dataclasses.asdict(cost),
+                               "cost_model": dataclasses.asdict(cost), "compute": compute,
                                "machine": machine(), "date": time.strftime("%Y-%m-%d"),
                                **summary, "rows": rows})  # fmt: skip
         print(f"wrote {args.json}")
@@ -449,40 +504,43 @@ def main() -> None:
 
 
 def calibrate(rows: list[dict]) -> None:
-    """Fit :class:`CostModel`'s four constants to the algorithms' medians (least squares on
+    """Fit :class:`CostModel`'s six constants to the algorithms' medians (least squares on
     relative error, constants kept >= 0) over :func:`estimate_features` of each setting (true
     stream lengths, the measured sum size), then compare, per setting, the winner the
     formulas predict -- with the fitted constants and with the defaults -- with the measured
     one."""
     feats, times = [], []
     for row in rows:
-        f = estimate_features([row["k"]] * row["world"], row["numel"], 4, union=row["union"])
+        f = estimate_features([row["k"]] * row["world"], row["numel"], 4, union=row["union"],
+                              dense_output=True)  # fmt: skip
         for name in ALGORITHMS:
             feats.append(f[name])
             times.append(statistics.median(row["times"][name]))
     a = torch.tensor(feats, dtype=torch.float64)
     b = torch.tensor(times, dtype=torch.float64)
     w = 1 / b
-    active = list(range(4))
+    active = list(range(6))
     while True:  # non-negative least squares by dropping negative terms
         sol = torch.linalg.lstsq((a[:, active] * w[:, None]), (b * w)[:, None]).solution[:, 0]
         if (sol >= 0).all() or len(active) == 1:
             break
         active.pop(int(torch.argmin(sol)))
-    full = [0.0] * 4
+    full = [0.0] * 6
     for j, v in zip(active, sol.tolist(), strict=True):
         full[j] = max(v, 0.0)
     fitted = CostModel(latency=full[0], bandwidth=1 / max(full[1], 1e-15), merge=full[2],
-                       scan=full[3])  # fmt: skip
+                       scan=full[3], fill=full[4], scatter=full[5])  # fmt: skip
     print(f"\nfitted: CostModel(latency={fitted.latency:.3g}, bandwidth={fitted.bandwidth:.3g}, "
-          f"merge={fitted.merge:.3g}, scan={fitted.scan:.3g})")  # fmt: skip
+          f"merge={fitted.merge:.3g}, scan={fitted.scan:.3g}, fill={fitted.fill:.3g}, "
+          f"scatter={fitted.scatter:.3g})")  # fmt: skip
     link = rows[0].get("link_gbps") if rows else None
     default = CostModel(bandwidth=link * 1e9 / 8) if link else CostModel()
     for label, cost in (("fitted", fitted), ("default", default)):
         agree, regret = 0, []
         for row in rows:
             counts = [row["k"]] * row["world"]
-            est = estimate_costs(counts, row["numel"], 4, cost=cost, union=row["union"])
+            est = estimate_costs(counts, row["numel"], 4, cost=cost, union=row["union"],
+                                 dense_output=True)  # fmt: skip
             med = {n: statistics.median(row["times"][n]) for n in ALGORITHMS}
             predicted = min(ALGORITHMS, key=lambda n: est[n])
             measured = min(ALGORITHMS, key=lambda n: med[n])

@@ -11,6 +11,7 @@ algorithms report (the kernel's counters are the oracle: the wire adds headers a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -45,6 +46,10 @@ def test_the_lab_cost_model_is_the_caps_tcp_payload_and_the_default_latency():
         CostModel.latency, CostModel.merge, CostModel.scan, CostModel.swap,
     )  # fmt: skip
     assert bench.lab_cost(10**9, latency_us=250).latency == pytest.approx(250e-6)
+    measured = bench.lab_cost(10**9, merge=5e-8, scan=6e-9, fill=2e-10, scatter=3e-9, swap=2.5)
+    assert (measured.merge, measured.scan, measured.fill, measured.scatter, measured.swap) == (
+        5e-8, 6e-9, 2e-10, 3e-9, 2.5,
+    )  # fmt: skip
 
 
 def test_the_planners_lab_network_is_the_caps_tcp_payload():
@@ -86,7 +91,7 @@ def test_the_report_compares_the_medians_with_the_formula():
     bench = _load("bench_sparse")
     cost = bench.lab_cost(100_000_000)
     world, k, numel, union = 8, 40_000, 1 << 22, 60_000
-    est = estimate_costs([k] * world, numel, 4, cost=cost, union=union)
+    est = estimate_costs([k] * world, numel, 4, cost=cost, union=union, dense_output=True)
     # measured: the formula's times, except split-allgather (2x) and dense (0.5x)
     med = {n: est[n] for n in ALGORITHMS}
     med["split_allgather"] *= 2
@@ -103,6 +108,14 @@ def test_the_report_compares_the_medians_with_the_formula():
         verdict = row["beats_allgather"][a]
         assert verdict["formula"] == (est[a] < est["allgather"])
         assert verdict["measured"] == (med[a] < med["allgather"])
+    # without a model given, each row is priced by the model its run calibrated
+    own = dataclasses.replace(cost, latency=5e-4, swap=2.0, cpu_share=4.0, scatter=3e-9)
+    again = _row(world, k, numel, union, med)
+    again["cost_model"] = dataclasses.asdict(own)
+    bench.lab_report([again])
+    assert again["predicted_s"] == estimate_costs([k] * world, numel, 4, cost=own, union=union,
+                                                  dense_output=True)  # fmt: skip
+    assert again["predicted_s"] != row["predicted_s"]
 
 
 @pytest.mark.slow

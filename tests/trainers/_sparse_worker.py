@@ -124,6 +124,23 @@ def main() -> None:
         res = sparse_allreduce(idx, torch.ones(idx.numel()), 1000, algorithm="recursive_doubling")
         results["switch", nnz] = {"dense": res.dense, "bytes": res.bytes_sent,
                                   "sum": res.to_dense()}  # fmt: skip
+    # split-allgather's exchanges: each point-to-point batch it posts (receives' and sends'
+    # peers), to check that a worker receives from one peer at a time (no incast)
+    posted = []
+    real = dist.batch_isend_irecv
+
+    def recording(ops):
+        posted.append(sorted((op.op.__name__, op.peer) for op in ops))
+        return real(ops)
+
+    dist.batch_isend_irecv = recording
+    try:
+        idx = supports("overlapping", world, rank)
+        res = sparse_allreduce(idx, values_for("overlapping", world, rank, idx, "random"),
+                               NUMEL, algorithm="split_allgather")  # fmt: skip
+    finally:
+        dist.batch_isend_irecv = real
+    results["split_posted"] = {"batches": posted, "sum": res.to_dense()}
     torch.save(results, out / f"rank{rank}.pt")
     dist.barrier()  # no rank leaves while a peer still talks to it
     dist.destroy_process_group()

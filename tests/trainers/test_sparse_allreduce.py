@@ -121,6 +121,24 @@ def test_known_lengths_skip_their_exchange(ranks):
     assert "this worker's = 7" in results[0]["counts", "error"]
 
 
+def test_split_allgather_receives_from_one_peer_at_a_time(ranks):
+    """Both exchanges of split-allgather run as N - 1 rounds of one receive and one send:
+    in round s worker r receives from r - s and sends to r + s (mod N), so no worker is sent
+    to by several peers at once (the incast that cost retransmissions on a capped link)."""
+    world, results = ranks
+    for r, res in enumerate(results):
+        batches = res["split_posted"]["batches"]
+        assert len(batches) == 2 * (world - 1), batches  # two exchanges of N - 1 rounds
+        for step, batch in enumerate(batches):
+            s = step % (world - 1) + 1
+            assert batch == sorted([("irecv", (r - s) % world), ("isend", (r + s) % world)]), (
+                r, step, batch,
+            )  # fmt: skip
+        assert torch.equal(res["split_posted"]["sum"], results[0]["split_posted"]["sum"])
+    ordered = results[0]["overlapping", "random", "ordered"]
+    assert torch.equal(results[0]["split_posted"]["sum"], ordered)
+
+
 def test_one_process_returns_its_input():
     r = sparse_allreduce(torch.tensor([1, 3]), torch.tensor([2.0, -1.0]), 5, algorithm="dense")
     assert r.algorithm == "local" and r.bytes_sent == 0
@@ -171,11 +189,32 @@ def test_the_choice_follows_the_cost_formulas():
     slow_swaps = CostModel(latency=1.0, bandwidth=1e30, merge=0, scan=0, swap=4)
     costs = estimate_costs([1000] * 4, d, 4, cost=slow_swaps)
     assert costs["recursive_doubling"] == pytest.approx(8.0)
-    # recursive doubling merges 2 x 200 k and 2 x 400 k pairs by sorting, then 2 x 800 k
-    # (past an eighth of the vector) in a dense scratch buffer
+    # recursive doubling merges 2 x 200 k and 2 x 400 k pairs by sorting (each element also
+    # added once at its place), then 2 x 800 k (past an eighth of the vector) in a dense
+    # scratch buffer: its d elements, each input element added and marked, the 1.6 M
+    # non-zeros read back
     f = estimate_features([200_000] * 8, d, 4)
-    assert f["recursive_doubling"][2:] == (2 * (200_000 + 400_000), d)
+    merged = 2 * (200_000 + 400_000)
+    assert f["recursive_doubling"][2:] == (merged, d, 0, merged + 2 * 1_600_000 + 1_600_000)
+    # supports that overlap (a sum of 1 M non-zeros from 8 x 200 k): a shared part c with
+    # 8 (200 k - c) + c = 1 M, so c = 600 k / 7; g workers' partial sum c + g (200 k - c);
+    # every merge sorts (2 x 200 k, then 2 x 314 k, 2 x 543 k), and a dense output is filled
+    # once with the 1 M non-zeros
+    c = 600_000 / 7
+    sizes = [200_000, c + 2 * (200_000 - c), c + 4 * (200_000 - c)]
+    f = estimate_features([200_000] * 8, d, 4, union=1_000_000, dense_output=True)
+    assert f["recursive_doubling"][2:] == pytest.approx(
+        (2 * sum(sizes), 0, d, 2 * sum(sizes) + 1_000_000), rel=1e-12
+    )
+    # the computation is priced per element and multiplied by the workers sharing a core
+    model = CostModel(latency=0, bandwidth=1e30, merge=1e-8, scan=2e-9, fill=3e-10,
+                      scatter=4e-9, cpu_share=4)  # fmt: skip
+    want = 4 * (2 * sum(sizes) * 1e-8 + d * 3e-10 + (2 * sum(sizes) + 1_000_000) * 4e-9)
+    assert model.time(*f["recursive_doubling"]) == pytest.approx(want, rel=1e-9)
+    # the split all-gather: two all-gathers of lengths and two exchanges of N - 1 swaps
+    assert f["split_allgather"][0] == 2 * 7 + 2 * 7 * CostModel.swap
     assert CostModel().time(*f["recursive_doubling"]) > CostModel().time(*f["allgather"])
-    for bad in ({"bandwidth": 0}, {"latency": -1}, {"merge": -1e-9}, {"swap": 0}):
+    for bad in ({"bandwidth": 0}, {"latency": -1}, {"merge": -1e-9}, {"swap": 0},
+                {"scatter": -1e-9}, {"cpu_share": 0}):  # fmt: skip
         with pytest.raises(ValueError, match="bandwidth > 0"):
             CostModel(**bad)

@@ -85,6 +85,7 @@ __all__ = [
     "dense_threshold",
     "estimate_costs",
     "estimate_features",
+    "measure_compute",
     "sparse_allreduce",
 ]
 
@@ -95,37 +96,64 @@ _HEADER_BYTES = 8  # one int64: a stream's length, or -1 for a dense buffer
 
 @dataclass(frozen=True)
 class CostModel:
-    """One worker's time: ``messages * latency + bytes / bandwidth`` on the network, plus
-    ``merged * merge`` (elements summed through a sort: sparse partial sums) and
-    ``scanned * scan`` (elements of dense buffers zeroed, scattered or scanned).
+    """One worker's time: ``messages * latency + bytes / bandwidth`` on the network, plus its
+    computation, ``merged * merge`` (elements summed through a sort: sparse partial sums),
+    ``scanned * scan`` (elements of the dense scratch buffer a large partial sum is found in:
+    zeroed, then searched for its non-zeros), ``filled * fill`` (elements of a fresh dense
+    buffer: the densified input or result) and ``scattered * scatter`` (elements added or
+    written into a dense buffer, or read back from it), the computation multiplied by
+    ``cpu_share`` when it is above 1.
 
-    The defaults are fitted to ``benchmarks/bench_sparse.py``'s measurements of gloo between
-    processes on one 2-core machine; pass your own for another network.
+    The network defaults (``latency``, ``bandwidth``, ``swap``) and ``merge`` and ``scan`` are
+    fitted to ``benchmarks/bench_sparse.py``'s measurements of gloo between processes on one
+    2-core machine, where ``scan`` stands for every per-element cost of a dense buffer
+    (``fill`` and ``scatter`` are 0); :meth:`measure_compute` measures the computation's four
+    constants on this machine instead, in one process. Pass your own for another network.
+
+    Attributes:
+        cpu_share: workers that compute at once per core of their machine (the sums of every
+            algorithm run on all workers at the same moment): 1 on a cluster whose workers have
+            a core each, ``workers / cores`` when they share one machine (the lab network).
     """
 
     latency: float = 1.5e-3  # seconds per message
     bandwidth: float = 1e9  # bytes per second
     merge: float = 40e-9  # seconds per element merged by sorting
-    scan: float = 3e-9  # seconds per element of a dense buffer
+    scan: float = 3e-9  # seconds per element of a dense scratch buffer
     #: messages' latency one point-to-point swap (recursive doubling) costs: a swap driven
     #: from Python waits on both directions, about 4 of a collective's ring steps here
     swap: float = 4.0
+    fill: float = 0.0  # seconds per element of a fresh dense buffer
+    scatter: float = 0.0  # seconds per element scattered into (or gathered from) a dense buffer
+    cpu_share: float = 1.0
 
     def __post_init__(self) -> None:
+        compute = (self.merge, self.scan, self.fill, self.scatter)
         if not (
-            self.latency >= 0 and self.bandwidth > 0 and self.merge >= 0 and self.scan >= 0
-            and self.swap > 0
+            self.latency >= 0 and self.bandwidth > 0 and min(compute) >= 0 and self.swap > 0
+            and self.cpu_share > 0
         ):  # fmt: skip
             raise ValueError(
-                f"CostModel: latency, merge and scan must be >= 0, bandwidth > 0 and swap > 0, "
-                f"got {self.latency}, {self.merge}, {self.scan}, {self.bandwidth}, {self.swap}"
+                f"CostModel: latency, merge, scan, fill and scatter must be >= 0, bandwidth > 0, "
+                f"swap > 0 and cpu_share > 0, got latency={self.latency}, merge={self.merge}, "
+                f"scan={self.scan}, fill={self.fill}, scatter={self.scatter}, "
+                f"bandwidth={self.bandwidth}, swap={self.swap}, cpu_share={self.cpu_share}"
             )
 
-    def time(self, messages: float, nbytes: float, merged: float = 0, scanned: float = 0) -> float:
+    def time(self, messages: float, nbytes: float, merged: float = 0, scanned: float = 0,
+             filled: float = 0, scattered: float = 0) -> float:  # fmt: skip
         """The network's share by the project's one latency-bandwidth model
-        (:func:`trainers.comm.cost.alpha_beta`), plus the merging and scanning."""
+        (:func:`trainers.comm.cost.alpha_beta`), plus the computation."""
         wire = alpha_beta(messages, nbytes, latency_s=self.latency, rate=self.bandwidth)
-        return wire + merged * self.merge + scanned * self.scan
+        work = (merged * self.merge + scanned * self.scan + filled * self.fill
+                + scattered * self.scatter)  # fmt: skip
+        return wire + max(1.0, self.cpu_share) * work
+
+    @classmethod
+    def measure_compute(cls, numel: int = 1 << 22, repeats: int = 5, **network) -> CostModel:
+        """A model whose four computation constants are measured here, in this process, on the
+        module's own sums (:func:`measure_compute`); ``network``: the other fields."""
+        return cls(**measure_compute(numel, repeats), **network)
 
 
 @dataclass
@@ -313,13 +341,25 @@ class _Comm:
         self._sent(send.numel() * send.element_size(), 1)
 
     def exchange(self, sends: dict[int, Tensor], recvs: dict[int, Tensor]) -> None:
-        """Send ``sends[peer]`` to each peer and receive ``recvs[peer]`` from each, at once."""
-        # receives first, as in swap()
-        ops = [dist.P2POp(dist.irecv, t, self._global(p), self.group) for p, t in recvs.items()]
-        ops += [dist.P2POp(dist.isend, t, self._global(p), self.group) for p, t in sends.items()]
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
+        """Send ``sends[peer]`` to each peer and receive ``recvs[peer]`` from each, in
+        ``size - 1`` rounds: in round ``s`` this worker sends to ``rank + s`` and receives from
+        ``rank - s`` (mod ``size``), so that every worker receives from one peer at a time.
+
+        Posting every transfer at once makes all peers send to each worker together, and on a
+        capped link that incast overflows the queue: at 100 Mbit on the lab network it cost
+        tens of thousands of TCP retransmissions and up to 2x the time
+        (docs/communication.md)."""
+        for step in range(1, self.size):
+            to, frm = (self.rank + step) % self.size, (self.rank - step) % self.size
+            # the receive first, as in swap()
+            ops = []
+            if frm in recvs:
+                ops.append(dist.P2POp(dist.irecv, recvs[frm], self._global(frm), self.group))
+            if to in sends:
+                ops.append(dist.P2POp(dist.isend, sends[to], self._global(to), self.group))
+            if ops:
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
         self._sent(sum(t.numel() * t.element_size() for t in sends.values()), len(sends))
 
     def send(self, peer: int, t: Tensor) -> None:
@@ -356,79 +396,174 @@ def range_bounds(numel: int, parts: int) -> list[int]:
 
 def estimate_features(
     counts: Sequence[int], numel: int, row_bytes: int, index_bytes: int | None = None,
-    union: int | None = None, swap: float = CostModel.swap,
-) -> dict[str, tuple[float, float, float, float]]:  # fmt: skip
-    """Per algorithm, one worker's ``(messages, bytes, merged, scanned)`` (see
-    :class:`CostModel`) for streams of ``counts`` pairs, one per worker. ``union``: the
+    union: int | None = None, swap: float = CostModel.swap, dense_output: bool = False,
+) -> dict[str, tuple[float, float, float, float, float, float]]:  # fmt: skip
+    """Per algorithm, one worker's ``(messages, bytes, merged, scanned, filled, scattered)``
+    (see :class:`CostModel`) for streams of ``counts`` pairs, one per worker. ``union``: the
     expected non-zeros of the sum (e.g. the last call's); without it, the bound
-    ``min(numel, sum(counts))`` (disjoint supports)."""
+    ``min(numel, sum(counts))`` (disjoint supports). ``dense_output``: the sum is wanted as a
+    dense buffer (:func:`sparse_allreduce`'s argument).
+
+    The bytes are exact (frames are padded to bounds both sides know); the computation counts
+    the elements each step of the algorithms touches, with the partial sums of recursive
+    doubling estimated from ``union`` as a support all workers share plus draws of their own
+    (``g`` workers' partial sum: ``c + g (k - c)``, ``c`` such that ``N`` workers give
+    ``union``)."""
     n = len(counts)
     i = index_bytes if index_bytes is not None else _index_dtype(numel).itemsize
     pair = i + row_bytes
     total = min(numel, sum(counts)) if union is None else min(numel, max(union, max(counts)))
+    k = max(counts)
+    common = max(0.0, (n * k - total) / (n - 1)) if n > 1 else float(k)
+
+    def grown(group: int) -> float:  # estimated non-zeros of ``group`` workers' partial sum
+        return min(float(numel), common + group * (k - common), float(total))
 
     def stream(nnz: float, length: float = numel) -> float:  # bytes of a stream, dense-capped
         return min(nnz * pair, length * row_bytes)
 
-    def summed(elements: float, length: float = numel) -> tuple[float, float]:
-        """(merged, scanned) of one rank-order sum (the dense scratch past 1/8 of length)."""
-        return (0.0, float(length)) if elements * 8 >= length else (float(elements), 0.0)
+    def summed(elements: float, length: float, out: float) -> tuple[float, float, float, float]:
+        """(merged, scanned, filled, scattered) of one rank-order sum of ``elements`` pairs
+        into ``out`` non-zeros: a sort, or a dense scratch buffer past 1/8 of ``length``."""
+        if elements * 8 >= length:  # index_add and mark each element, gather the non-zeros
+            return (0.0, float(length), 0.0, 2.0 * elements + out)
+        return (float(elements), 0.0, 0.0, float(elements))
 
+    def densified(nnz: float) -> tuple[float, float, float, float]:  # a stream made dense
+        return (0.0, 0.0, float(numel), float(nnz))
+
+    def add(*parts: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(map(sum, zip(*parts, strict=True)))
+
+    threshold = dense_threshold(numel, row_bytes, i)
     out = {
-        "dense": (2 * (n - 1), 2 * (n - 1) / n * numel * row_bytes, 0.0, 2.0 * numel),
-        "allgather": (2 * (n - 1), (n - 1) * (8 + max(counts) * pair),
-                      *summed(sum(counts))),
+        "dense": (2 * (n - 1), 2 * (n - 1) / n * numel * row_bytes, *densified(k)),
+        "allgather": (
+            2 * (n - 1), (n - 1) * (8 + k * pair),
+            *(densified(sum(counts)) if dense_output else summed(sum(counts), numel, total)),
+        ),
     }  # fmt: skip
     # recursive doubling: fold, then log2(p) swaps of header + stream (the largest partial sum)
     p = 1 << (n.bit_length() - 1)
     folded = [counts[r] + (counts[r + p] if r + p < n else 0) for r in range(p)]
-    msgs = nbytes = merged = scanned = 0.0
+    msgs = nbytes = 0.0
+    work: tuple[float, ...] = (0.0,) * 4
+    dense_now = k >= threshold
+    if dense_now:
+        work = densified(k)
     # a framed swap is one message each way, priced as ``swap`` ring steps (CostModel)
     if p < n:  # to r - p and back (the result's frame: padded to the sum of the lengths)
         msgs += 2 * swap
         nbytes += 8 + stream(max(counts[p:])) + 8 + stream(min(numel, sum(counts)))
-        m, sc = summed(2 * max(counts))
-        merged, scanned = merged + m, scanned + sc
+        work = add(work, summed(2 * k, numel, grown(2)))
     group = 1
     while group < p:
         # the frame is padded to the bound on the partner's partial sum (not to ``total``)
         partial = min(numel, max(sum(folded[g : g + group]) for g in range(0, p, group)))
         msgs += swap
         nbytes += 8 + stream(partial)
-        dense_from_here = partial * pair >= numel * row_bytes
-        m, sc = (0.0, float(numel)) if dense_from_here else summed(2 * partial)
-        merged, scanned = merged + m, scanned + sc
+        if dense_now or partial * pair >= numel * row_bytes:
+            work = add(work, (0.0, 0.0, float(numel), 0.0))  # dense + dense: one add
+        else:
+            ours, merged = grown(group * n / p), grown(2 * group * n / p)
+            work = add(work, summed(2 * ours, numel, merged))
+            if merged >= threshold:  # sent dense from here on
+                dense_now = True
+                work = add(work, densified(merged))
         group *= 2
-    out["recursive_doubling"] = (msgs, nbytes, merged, scanned)
-    # split-allgather: counts, the reduce-scatter, headers, the all-gather of owned ranges
+    if dense_output and not dense_now:
+        work = add(work, densified(total))
+    out["recursive_doubling"] = (msgs, nbytes, *work)
+    # split-allgather: counts, the reduce-scatter (a swap with each peer in turn), the owned
+    # range's sum, headers, the all-gather of owned ranges (a swap with each peer in turn)
     share = numel / n
-    m, sc = summed(sum(counts) / n, share)
+    owned = summed(sum(counts) / n, share, total / n)
+    assembled = densified(total) if dense_output else (0.0, 0.0, 0.0, float(total))
     out["split_allgather"] = (
-        4 * (n - 1),
-        (n - 1) * 8 * n + max(counts) * pair * (n - 1) / n + (n - 1) * 8
+        2 * (n - 1) + 2 * (n - 1) * swap,
+        (n - 1) * 8 * n + k * pair * (n - 1) / n + (n - 1) * 8
         + (n - 1) * stream(total / n, share),
-        m, sc + numel,  # the owner's sum, then the assembled result
+        *add(owned, assembled),
     )  # fmt: skip
     return out
 
 
+def measure_compute(numel: int = 1 << 22, repeats: int = 5) -> dict[str, float]:
+    """:class:`CostModel`'s computation constants (``merge``, ``scan``, ``fill``,
+    ``scatter``), measured in this process with its threads: the module's own rank-order sums
+    by sorting and in a dense scratch buffer, and densified streams, each timed ``repeats``
+    times (median) on random streams over ``numel`` elements, the four constants fitted to
+    those times by least squares on relative error, kept >= 0.
+
+    A machine's constants, not a network's: ``benchmarks/bench_sparse.py --netlab`` prices the
+    algorithms with them and the lab link's latency and bandwidth."""
+    import time  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(0)
+
+    def streams(workers: int, k: int) -> list[_Stream]:
+        return [_Stream(torch.randperm(numel, generator=gen)[:k].sort().values,
+                        torch.randn(k, generator=gen)) for _ in range(workers)]  # fmt: skip
+
+    def median_time(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    rows, times = [], []
+    for workers, density in ((2, 0.002), (2, 0.01), (4, 0.01), (2, 0.05), (4, 0.1), (2, 0.3),
+                             (8, 0.1)):  # fmt: skip
+        k = max(1, round(density * numel))
+        parts = streams(workers, k)
+        total = workers * k
+        result = _sum_in_order(parts, numel)
+        if total * 8 >= numel:  # the dense scratch buffer
+            rows.append((0.0, numel, 0.0, 2.0 * total + result.count))
+        else:
+            rows.append((total, 0.0, 0.0, total))
+        times.append(median_time(lambda p=parts: _sum_in_order(p, numel)))
+    for density in (0.001, 0.05, 0.3):
+        (part,) = streams(1, max(1, round(density * numel)))
+        rows.append((0.0, 0.0, numel, part.count))
+        times.append(median_time(lambda s=part: s.densify(numel)))
+    a = torch.tensor(rows, dtype=torch.float64)
+    b = torch.tensor(times, dtype=torch.float64)
+    weight = 1 / b
+    active = list(range(4))
+    while True:  # non-negative least squares by dropping negative terms
+        sol = torch.linalg.lstsq(a[:, active] * weight[:, None], (b * weight)[:, None]).solution
+        sol = sol[:, 0]
+        if (sol >= 0).all() or len(active) == 1:
+            break
+        active.pop(int(torch.argmin(sol)))
+    full = [0.0] * 4
+    for j, v in zip(active, sol.tolist(), strict=True):
+        full[j] = max(v, 0.0)
+    return dict(zip(("merge", "scan", "fill", "scatter"), full, strict=True))
+
+
 def estimate_costs(
     counts: Sequence[int], numel: int, row_bytes: int, index_bytes: int | None = None,
-    cost: CostModel | None = None, union: int | None = None,
+    cost: CostModel | None = None, union: int | None = None, dense_output: bool = False,
 ) -> dict[str, float]:  # fmt: skip
     """Each algorithm's estimated time (seconds): :func:`estimate_features` priced by
     ``cost`` (default :class:`CostModel`)."""
     cost = cost or CostModel()
-    features = estimate_features(counts, numel, row_bytes, index_bytes, union, cost.swap)
+    features = estimate_features(counts, numel, row_bytes, index_bytes, union, cost.swap,
+                                 dense_output)  # fmt: skip
     return {name: cost.time(*f) for name, f in features.items()}
 
 
 def choose_algorithm(
     counts: Sequence[int], numel: int, row_bytes: int, index_bytes: int | None = None,
-    cost: CostModel | None = None, union: int | None = None,
+    cost: CostModel | None = None, union: int | None = None, dense_output: bool = False,
 ) -> str:  # fmt: skip
     """The algorithm of least :func:`estimate_costs` (ties: the order of :data:`ALGORITHMS`)."""
-    costs = estimate_costs(counts, numel, row_bytes, index_bytes, cost, union)
+    costs = estimate_costs(counts, numel, row_bytes, index_bytes, cost, union, dense_output)
     return min(ALGORITHMS, key=lambda a: costs[a])
 
 
@@ -695,7 +830,8 @@ def sparse_allreduce(
                                 device=values.device)  # fmt: skip
             dest_counts = [t.tolist() for t in comm.all_gather(mine)]
             counts = [sum(c) for c in dest_counts]
-        algorithm = choose_algorithm(counts, numel, row, idt.itemsize, cost, union)
+        algorithm = choose_algorithm(counts, numel, row, idt.itemsize, cost, union,
+                                     dense_output)  # fmt: skip
     elif algorithm == "allgather" and counts is None:
         counts = [int(t.item()) for t in comm.all_gather(comm.header(s.count))]
     if algorithm == "dense":
