@@ -262,12 +262,16 @@ def cores() -> int:
 
 def calibrate_network(repeats: int = 31) -> dict:
     """The lab's per-message latency and a swap's cost, measured on the initialized default
-    group before the benchmark (the same network, tiny messages, not the algorithms): the
-    median slowest-rank time of a one-float ``all_reduce`` over its ``2 (N - 1)`` ring steps,
-    and of an 8-byte swap between ranks ``r`` and ``r xor 1`` over that latency."""
+    group before the benchmark (the same network, 8-byte messages, not the algorithms): the
+    median slowest-rank time of an all-gather of one int64 (the length messages the
+    algorithms all-gather) over its ``N - 1`` ring steps, and of an 8-byte swap between ranks
+    ``r`` and ``r xor 1`` over that latency. A one-float all-reduce is timed too, for the
+    record: gloo's all-reduce of one element costs a fraction of what a ring step of a
+    larger message does, so it is not the latency."""
     rank, world = dist.get_rank(), dist.get_world_size()
     one = torch.zeros(1)
     head, theirs = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    heads = [torch.empty_like(head) for _ in range(world)]
     peer = rank ^ 1
 
     def swap() -> None:
@@ -276,14 +280,16 @@ def calibrate_network(repeats: int = 31) -> dict:
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
 
-    for _ in range(3):  # warm-up: connections, first-call costs
-        timed(lambda: dist.all_reduce(one))
-        timed(swap)
-    allreduce = statistics.median(timed(lambda: dist.all_reduce(one))[0] for _ in range(repeats))
-    swapped = statistics.median(timed(swap)[0] for _ in range(repeats))
-    latency = allreduce / (2 * (world - 1))
-    return {"allreduce_s": allreduce, "swap_s": swapped, "latency": latency,
-            "swap": max(swapped / latency, 1e-3)}  # fmt: skip
+    calls = {"allgather_s": lambda: dist.all_gather(heads, head), "swap_s": swap,
+             "allreduce_s": lambda: dist.all_reduce(one)}  # fmt: skip
+    for fn in calls.values():  # warm-up: connections, first-call costs
+        for _ in range(3):
+            timed(fn)
+    out = {name: statistics.median(timed(fn)[0] for _ in range(repeats))
+           for name, fn in calls.items()}  # fmt: skip
+    out["latency"] = out["allgather_s"] / (world - 1)
+    out["swap"] = max(out["swap_s"] / out["latency"], 1e-3)
+    return out
 
 
 def worker(config: Path) -> None:
@@ -418,9 +424,10 @@ def main_netlab(args: argparse.Namespace) -> None:
         rows += run_on_lab(world, args.netlab, args, cost)
         cal = rows[-1].get("calibration")
         if cal:
-            print(f"{world} nodes: one-float all-reduce {cal['allreduce_s'] * 1e6:.0f} us -> "
-                  f"latency {cal['latency'] * 1e6:.0f} us per message; 8-byte swap "
-                  f"{cal['swap_s'] * 1e6:.0f} us = {cal['swap']:.2f} messages")  # fmt: skip
+            print(f"{world} nodes: 8-byte all-gather {cal['allgather_s'] * 1e6:.0f} us -> latency "
+                  f"{cal['latency'] * 1e6:.0f} us per message; 8-byte swap "
+                  f"{cal['swap_s'] * 1e6:.0f} us = {cal['swap']:.2f} messages (one-float "
+                  f"all-reduce {cal['allreduce_s'] * 1e6:.0f} us)")  # fmt: skip
     summary = lab_report(rows)
     if args.json:
         from _report import write_json  # noqa: PLC0415

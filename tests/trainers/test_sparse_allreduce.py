@@ -122,15 +122,16 @@ def test_known_lengths_skip_their_exchange(ranks):
 
 
 def test_split_allgather_receives_from_one_peer_at_a_time(ranks):
-    """Both exchanges of split-allgather run as N - 1 rounds of one receive and one send:
-    in round s worker r receives from r - s and sends to r + s (mod N), so no worker is sent
-    to by several peers at once (the incast that cost retransmissions on a capped link)."""
+    """Split-allgather's sparse reduce-scatter runs as N - 1 rounds of one receive and one
+    send: in round s worker r receives from r - s and sends to r + s (mod N), so no worker is
+    sent to by several peers at once (the incast that cost retransmissions on a capped link);
+    the owned ranges then travel by a ring all-gather (no point-to-point batch)."""
     world, results = ranks
     for r, res in enumerate(results):
         batches = res["split_posted"]["batches"]
-        assert len(batches) == 2 * (world - 1), batches  # two exchanges of N - 1 rounds
+        assert len(batches) == world - 1, batches  # one exchange of N - 1 rounds
         for step, batch in enumerate(batches):
-            s = step % (world - 1) + 1
+            s = step + 1
             assert batch == sorted([("irecv", (r - s) % world), ("isend", (r + s) % world)]), (
                 r, step, batch,
             )  # fmt: skip
@@ -211,8 +212,9 @@ def test_the_choice_follows_the_cost_formulas():
                       scatter=4e-9, cpu_share=4)  # fmt: skip
     want = 4 * (2 * sum(sizes) * 1e-8 + d * 3e-10 + (2 * sum(sizes) + 1_000_000) * 4e-9)
     assert model.time(*f["recursive_doubling"]) == pytest.approx(want, rel=1e-9)
-    # the split all-gather: two all-gathers of lengths and two exchanges of N - 1 swaps
-    assert f["split_allgather"][0] == 2 * 7 + 2 * 7 * CostModel.swap
+    # the split all-gather: two all-gathers of lengths, an exchange of N - 1 swaps and the
+    # ring all-gather of the owned ranges
+    assert f["split_allgather"][0] == 3 * 7 + 7 * CostModel.swap
     assert CostModel().time(*f["recursive_doubling"]) > CostModel().time(*f["allgather"])
     for bad in ({"bandwidth": 0}, {"latency": -1}, {"merge": -1e-9}, {"swap": 0},
                 {"scatter": -1e-9}, {"cpu_share": 0}):  # fmt: skip

@@ -19,10 +19,11 @@ supports overlap. The algorithms here reduce the streams instead of gathering th
     largest power of two ``p`` hand their stream to worker ``r - p`` and get the result back.
 ``split_allgather``
     Worker ``j`` owns the ``j``-th of ``N`` contiguous index ranges. Every worker sends each
-    owner its pairs in that range (a sparse reduce-scatter), the owner sums them in rank
-    order, then every owner sends its summed range to every worker (an all-gather). Each pair
-    of the sum crosses the network ``N - 1`` times, never ``N (N - 1)`` times
-    (bandwidth-optimal for large ``k``).
+    owner its pairs in that range (a sparse reduce-scatter, in ``N - 1`` rounds of one send
+    and one receive: round ``s`` to worker ``r + s``, from ``r - s``), the owner sums them in
+    rank order, then the owners' summed ranges are all-gathered (a ring all-gather, each range
+    padded to the longest). Each pair of the sum crosses the network ``N - 1`` times, never
+    ``N (N - 1)`` times (bandwidth-optimal for large ``k``).
 ``dense``
     Scatter into a dense buffer and ``all_reduce`` it.
 
@@ -475,12 +476,12 @@ def estimate_features(
         work = add(work, densified(total))
     out["recursive_doubling"] = (msgs, nbytes, *work)
     # split-allgather: counts, the reduce-scatter (a swap with each peer in turn), the owned
-    # range's sum, headers, the all-gather of owned ranges (a swap with each peer in turn)
+    # range's sum, headers, the ring all-gather of the owned ranges (padded to the longest)
     share = numel / n
     owned = summed(sum(counts) / n, share, total / n)
     assembled = densified(total) if dense_output else (0.0, 0.0, 0.0, float(total))
     out["split_allgather"] = (
-        2 * (n - 1) + 2 * (n - 1) * swap,
+        3 * (n - 1) + (n - 1) * swap,
         (n - 1) * 8 * n + k * pair * (n - 1) / n + (n - 1) * 8
         + (n - 1) * stream(total / n, share),
         *add(owned, assembled),
@@ -738,20 +739,21 @@ def _split_allgather(comm: _Comm, s: _Stream, numel: int, shape, acc, idt,
         dense = owned.val.new_zeros((width, *shape))
         dense[owned.idx - lo] = owned.val
         owned = _Stream(None, dense)
-    # all-gather of the owned ranges: their lengths, then the streams point to point
+    # all-gather of the owned ranges: their lengths, then the streams padded to the longest in
+    # one ring all-gather (each worker receives from one neighbour at a time, on connections
+    # that stay in use: see _Comm.exchange for what an all-to-all costs on a capped link)
     heads = [int(t.item()) for t in comm.all_gather(comm.header(owned.count))]
+    sizes = [_packed_bytes(heads[j], bounds[j + 1] - bounds[j], row, idt.itemsize)
+             for j in range(n)]  # fmt: skip
     packed = _pack(owned, idt)
-    sends = {j: packed for j in range(n) if j != r}
-    recvs = {}
-    for j in range(n):
-        if j != r:
-            nbytes = _packed_bytes(heads[j], bounds[j + 1] - bounds[j], row, idt.itemsize)
-            recvs[j] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    comm.exchange(sends, recvs)
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[: packed.numel()] = packed
+    gathered = comm.all_gather(padded)
     ranges = []
     for j in range(n):
         width_j = bounds[j + 1] - bounds[j]
-        got = owned if j == r else _unpack(recvs[j], heads[j], shape, acc, idt, width_j)
+        got = owned if j == r else _unpack(gathered[j][: sizes[j]], heads[j], shape, acc, idt,
+                                           width_j)  # fmt: skip
         ranges.append((j, got))  # sparse ranges carry global indices
     if not dense_out and all(g.idx is not None for _, g in ranges):
         return _Stream(torch.cat([g.idx for _, g in ranges]), torch.cat([g.val for _, g in ranges]))
