@@ -439,8 +439,10 @@ def estimate_features(
     threshold = dense_threshold(numel, row_bytes, i)
     out = {
         "dense": (2 * (n - 1), 2 * (n - 1) / n * numel * row_bytes, *densified(k)),
+        # the lengths are known (given, or all-gathered for ``auto`` before it chooses): one
+        # ring all-gather of the streams padded to the longest
         "allgather": (
-            2 * (n - 1), (n - 1) * (8 + k * pair),
+            n - 1, (n - 1) * k * pair,
             *(densified(sum(counts)) if dense_output else summed(sum(counts), numel, total)),
         ),
     }  # fmt: skip
