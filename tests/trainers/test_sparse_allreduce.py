@@ -7,6 +7,8 @@ formulas for the dense switch.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from trainers.comm.sparse import (
     dense_threshold,
     estimate_costs,
     estimate_features,
+    measure_compute,
     sparse_allreduce,
 )
 
@@ -140,6 +143,21 @@ def test_split_allgather_receives_from_one_peer_at_a_time(ranks):
     assert torch.equal(results[0]["split_posted"]["sum"], ordered)
 
 
+@pytest.mark.slow
+def test_the_computation_constants_are_measured_in_this_process():
+    """measure_compute times the module's own sums here: four finite constants >= 0, a
+    sort's element dearer than a scatter's (the sort makes several passes over its input),
+    and a model built from them keeps the network fields it is given."""
+    got = measure_compute(numel=1 << 20, repeats=3)
+    assert set(got) == {"merge", "scan", "fill", "scatter"}
+    assert all(math.isfinite(v) and v >= 0 for v in got.values()), got
+    assert got["merge"] > got["scatter"], got
+    model = CostModel.measure_compute(numel=1 << 20, repeats=3, latency=2e-4, bandwidth=1e8,
+                                      cpu_share=2.0)  # fmt: skip
+    assert (model.latency, model.bandwidth, model.cpu_share) == (2e-4, 1e8, 2.0)
+    assert model.merge > 0
+
+
 def test_one_process_returns_its_input():
     r = sparse_allreduce(torch.tensor([1, 3]), torch.tensor([2.0, -1.0]), 5, algorithm="dense")
     assert r.algorithm == "local" and r.bytes_sent == 0
@@ -174,20 +192,23 @@ def test_the_choice_follows_the_cost_formulas():
     all-gather's (N - 1) k; fully dense streams favour the dense all-reduce; a worker's sorted
     merges cost time (the default model's ``merge``)."""
     d = 10_000_000
-    latency = CostModel(latency=1e-3, bandwidth=1e15, merge=0, scan=0, swap=1)
-    bandwidth = CostModel(latency=0, bandwidth=1e9, merge=0, scan=0)
+    latency = CostModel(latency=1e-3, bandwidth=1e15, merge=0, scan=0, fill=0, scatter=0, swap=1)
+    bandwidth = CostModel(latency=0, bandwidth=1e9, merge=0, scan=0, fill=0, scatter=0)
     assert choose_algorithm([10] * 8, d, 4, cost=latency) == "recursive_doubling"
     assert choose_algorithm([1_000_000] * 8, d, 4, cost=bandwidth, union=1_200_000) == (
         "split_allgather"
     )
     assert choose_algorithm([d] * 8, d, 4, cost=bandwidth) == "dense"
     costs = estimate_costs(
-        [1000] * 4, d, 4, cost=CostModel(latency=1.0, bandwidth=1e30, merge=0, scan=0, swap=1)
+        [1000] * 4,
+        d,
+        4,
+        cost=CostModel(latency=1.0, bandwidth=1e30, merge=0, scan=0, fill=0, scatter=0, swap=1),
     )
     assert min(costs, key=costs.get) == "recursive_doubling"  # 2 swaps vs 3 ring steps
     assert costs["allgather"] == pytest.approx(3.0)  # the lengths are known: one all-gather
     # a swap priced as 4 ring steps (the default, measured here): the all-gather wins
-    slow_swaps = CostModel(latency=1.0, bandwidth=1e30, merge=0, scan=0, swap=4)
+    slow_swaps = CostModel(latency=1.0, bandwidth=1e30, merge=0, scan=0, fill=0, scatter=0, swap=4)
     costs = estimate_costs([1000] * 4, d, 4, cost=slow_swaps)
     assert costs["recursive_doubling"] == pytest.approx(8.0)
     # recursive doubling merges 2 x 200 k and 2 x 400 k pairs by sorting (each element also

@@ -105,11 +105,13 @@ class CostModel:
     written into a dense buffer, or read back from it), the computation multiplied by
     ``cpu_share`` when it is above 1.
 
-    The network defaults (``latency``, ``bandwidth``, ``swap``) and ``merge`` and ``scan`` are
-    fitted to ``benchmarks/bench_sparse.py``'s measurements of gloo between processes on one
-    2-core machine, where ``scan`` stands for every per-element cost of a dense buffer
-    (``fill`` and ``scatter`` are 0); :meth:`measure_compute` measures the computation's four
-    constants on this machine instead, in one process. Pass your own for another network.
+    The network defaults (``latency``, ``bandwidth``, ``swap``) are fitted to
+    ``benchmarks/bench_sparse.py``'s measurements of gloo between processes on one 2-core
+    machine; the computation's (``merge``, ``scan``, ``fill``, ``scatter``) are
+    :func:`measure_compute`'s on one thread of the project's Intel Xeon machine (2026-12-07,
+    four measurements: 4.1-5.7e-8, 0.54-1.04e-8, 1.8-4.3e-10 and 1.6-4.3e-9 s per element).
+    :meth:`measure_compute` measures them on this machine; pass your own network's latency
+    and bandwidth (``benchmarks/bench_sparse.py --netlab`` shows how they are measured).
 
     Attributes:
         cpu_share: workers that compute at once per core of their machine (the sums of every
@@ -120,12 +122,12 @@ class CostModel:
     latency: float = 1.5e-3  # seconds per message
     bandwidth: float = 1e9  # bytes per second
     merge: float = 40e-9  # seconds per element merged by sorting
-    scan: float = 3e-9  # seconds per element of a dense scratch buffer
+    scan: float = 8e-9  # seconds per element of a dense scratch buffer
     #: messages' latency one point-to-point swap (recursive doubling) costs: a swap driven
     #: from Python waits on both directions, about 4 of a collective's ring steps here
     swap: float = 4.0
-    fill: float = 0.0  # seconds per element of a fresh dense buffer
-    scatter: float = 0.0  # seconds per element scattered into (or gathered from) a dense buffer
+    fill: float = 3e-10  # seconds per element of a fresh dense buffer
+    scatter: float = 2.5e-9  # seconds per element scattered into (or gathered from) a dense buffer
     cpu_share: float = 1.0
 
     def __post_init__(self) -> None:
