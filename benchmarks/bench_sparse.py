@@ -25,12 +25,12 @@ that bandwidth -- the regime SparCML is for, which loopback on one machine is no
 node namespace, ``--worlds`` nodes, every node's link capped at ``CAP`` both ways, real TCP
 through the caps, no injected delay) and gives ``auto`` a :class:`CostModel` whose bandwidth is
 the cap's TCP payload rate (``CAP x 1448 / 1514``: a 1514-byte frame at MTU 1500 carries 1448
-bytes of payload) and whose other constants are measured on each lab before its rounds, on
-other operations than the ones predicted (:func:`calibrate_network`: the latency from an
-8-byte all-gather, the swap from an 8-byte swap; :func:`trainers.comm.sparse.measure_compute`
-run by every rank at once, the largest constants taken). ``--latency-us U`` measures nothing
-on the lab: the latency is ``U``, the swap the default, the computation measured in this
-process and multiplied by ``nodes / cores`` (``cpu_share``). For each setting it then prints, per
+bytes of payload); its latency and swap are measured on each lab before its rounds, on other
+operations than the ones predicted (:func:`calibrate_network`: an 8-byte all-gather and an
+8-byte swap), and its computation constants in this process, one thread
+(:func:`trainers.comm.sparse.measure_compute`), multiplied by ``nodes / cores``
+(``cpu_share``: every node runs on this machine's cores). ``--latency-us U`` fixes the latency
+at ``U`` and the swap at the default instead. For each setting it then prints, per
 algorithm, the measured median, the cost model's prediction (:func:`estimate_costs` on the
 setting's true lengths and sum size) and the relative error; the formula's and ``auto``'s pick
 against the measured fastest; whether each sparse algorithm beats the all-gather where the
@@ -310,17 +310,7 @@ def worker(config: Path) -> None:
         fields = dict(conf["cost"])
         if conf.get("calibrate"):  # this lab's latency and swap, measured before the rounds
             calibration = calibrate_network()
-            # the computation's constants, measured by every rank at once: the nodes then share
-            # the cores as they do in the rounds, so the sharing is in the constants (and
-            # cpu_share is 1); each step waits for its slowest rank, so the largest is taken
-            dist.barrier()
-            mine = measure_compute(args.numel)
-            ranks: list = [None] * world
-            dist.all_gather_object(ranks, mine)
-            compute = {name: max(r[name] for r in ranks) for name in mine}
-            calibration["compute_by_rank"] = ranks
-            fields.update(latency=calibration["latency"], swap=calibration["swap"], **compute,
-                          cpu_share=1.0)  # fmt: skip
+            fields.update(latency=calibration["latency"], swap=calibration["swap"])
         cost = CostModel(**fields)
     rows = bench(rank, world, args, cost)
     if rank == 0:
@@ -341,7 +331,7 @@ def run_on_lab(world: int, cap: str, args: argparse.Namespace, cost: CostModel) 
         config, out, log = Path(tmp, "config.json"), Path(tmp, "rows.json"), Path(tmp, "ranks.log")
         settings = {k: v for k, v in vars(args).items() if k != "json"}
         fields = dataclasses.asdict(cost)
-        fields["cpu_share"] = world / cores()  # without calibration: the nodes share the cores
+        fields["cpu_share"] = world / cores()  # the nodes share this machine's cores
         config.write_text(json.dumps({"args": settings, "out": str(out), "cost": fields,
                                       "calibrate": args.latency_us is None,
                                       "gloo_timeout": max(60, args.timeout // 2)}))  # fmt: skip
@@ -426,12 +416,14 @@ def main_netlab(args: argparse.Namespace) -> None:
     compute = measure_compute(args.numel)  # one process: the model when nothing is calibrated
     cost = lab_cost(parse_rate(args.netlab), args.latency_us, **compute)
     print(machine_line())
-    if args.latency_us is not None:
-        how = (f"latency={cost.latency:g} s, swap={cost.swap:g}; computation measured here in "
-               f"one process (merge={cost.merge:.3g}, scan={cost.scan:.3g}, fill={cost.fill:.3g},"
-               f" scatter={cost.scatter:.3g}) x nodes / {cores()} cores")  # fmt: skip
-    else:
-        how = "latency, swap and the computation's constants measured on each lab before its rounds"
+    how = (
+        f"latency={cost.latency:g} s, swap={cost.swap:g}"
+        if args.latency_us is not None
+        else "latency and swap measured on each lab before its rounds"
+    )
+    how += (f"; computation measured here in one process (merge={cost.merge:.3g}, "
+            f"scan={cost.scan:.3g}, fill={cost.fill:.3g}, scatter={cost.scatter:.3g}) x "
+            f"cpu_share = nodes / {cores()} cores")  # fmt: skip
     print(f"lab network: one rank per node, {args.netlab} each way per node, gloo over TCP; "
           f"auto's CostModel(bandwidth={cost.bandwidth:.4g} B/s = {args.netlab} x 1448/1514 / 8;"
           f" {how})")  # fmt: skip
@@ -444,10 +436,6 @@ def main_netlab(args: argparse.Namespace) -> None:
                   f"{cal['latency'] * 1e6:.0f} us per message; 8-byte swap "
                   f"{cal['swap_s'] * 1e6:.0f} us = {cal['swap']:.2f} messages (one-float "
                   f"all-reduce {cal['allreduce_s'] * 1e6:.0f} us)")  # fmt: skip
-            used = rows[-1]["cost_model"]
-            print(f"  computation, the largest over the ranks measuring at once: "
-                  f"merge={used['merge']:.3g}, scan={used['scan']:.3g}, fill={used['fill']:.3g},"
-                  f" scatter={used['scatter']:.3g}")  # fmt: skip
     summary = lab_report(rows)
     if args.json:
         from _report import write_json  # noqa: PLC0415
