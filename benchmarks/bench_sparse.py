@@ -74,6 +74,7 @@ from trainers.comm.sparse import (  # noqa: E402
     CostModel,
     estimate_costs,
     estimate_features,
+    fit_nonnegative,
     measure_compute,
     sparse_allreduce,
 )
@@ -531,18 +532,7 @@ def calibrate(rows: list[dict]) -> None:
         for name in ALGORITHMS:
             feats.append(f[name])
             times.append(statistics.median(row["times"][name]))
-    a = torch.tensor(feats, dtype=torch.float64)
-    b = torch.tensor(times, dtype=torch.float64)
-    w = 1 / b
-    active = list(range(6))
-    while True:  # non-negative least squares by dropping negative terms
-        sol = torch.linalg.lstsq((a[:, active] * w[:, None]), (b * w)[:, None]).solution[:, 0]
-        if (sol >= 0).all() or len(active) == 1:
-            break
-        active.pop(int(torch.argmin(sol)))
-    full = [0.0] * 6
-    for j, v in zip(active, sol.tolist(), strict=True):
-        full[j] = max(v, 0.0)
+    full = fit_nonnegative(feats, times)
     fitted = CostModel(latency=full[0], bandwidth=1 / max(full[1], 1e-15), merge=full[2],
                        scan=full[3], fill=full[4], scatter=full[5])  # fmt: skip
     print(f"\nfitted: CostModel(latency={fitted.latency:.3g}, bandwidth={fitted.bandwidth:.3g}, "

@@ -10,7 +10,9 @@ For each world size (default 2 and 4 processes on 127.0.0.1, one thread each) an
 2. every rank profiles the same small BERT (span QA, ``trainers.parallel.plan.profile_model``)
    at the same time, so the profile sees the same number of processes per core as the run
    (4 processes on this machine's 2 cores: each gets about half a core) and the same
-   background load; the element-wise median over the ranks is the profile;
+   background load, in step (``sync=dist.barrier``: a barrier before each block and around
+   each tensor-parallel probe process, so that no rank times while another starts one); the
+   element-wise median over the ranks is the profile;
 3. the planner picks the best micro-batches, schedule and boundaries for these degrees;
 4. an optimizer step of the plan (forward, backward, gradient all-reduce, AdamW) is timed
    on the runtime (data parallel with one flat gradient all-reduce; tensor parallel with
@@ -277,7 +279,8 @@ def measure(rank: int, world: int, args: argparse.Namespace, network: Network | 
         model = BertForQuestionAnswering(bert_config(args))
         own = profile_model(model, seq_len=args.seq_len, batch=args.profile_batch, repeats=5,
                             warmup=2, name="bert_check",
-                            larger_batches=args.profile_larger_batches)  # fmt: skip
+                            larger_batches=args.profile_larger_batches,
+                            sync=dist.barrier)  # fmt: skip
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, own.to_dict())
         profile = median_profile([Profile.from_dict(d) for d in gathered])

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -391,7 +392,12 @@ def tiny_bert():
 
 
 def test_profile_of_a_real_tiny_bert(tiny_bert):
-    a = profile_model(tiny_bert, seq_len=16, batch=2, repeats=2, warmup=1, larger_batches=(4,))
+    synced = []
+    a = profile_model(tiny_bert, seq_len=16, batch=2, repeats=2, warmup=1, larger_batches=(4,),
+                      sync=lambda: synced.append(1))  # fmt: skip
+    # the embeddings, layer0 and the head timed at batches 2 and 4 (layer1 is layer0's
+    # twin), and the sharded-layer probe of layer0: once its child is ready, once it is done
+    assert len(synced) == 3 + 3 + 2
     b = profile_model(tiny_bert, seq_len=16, batch=4, repeats=2, warmup=1)
     with pytest.raises(ValueError, match="must all be above the profiling batch 2"):
         profile_model(tiny_bert, seq_len=16, batch=2, larger_batches=(2, 4))
@@ -773,7 +779,7 @@ def test_larger_batches_are_interpolated_and_bend_the_sharded_line():
 
 
 @pytest.mark.slow  # a child process
-def test_the_probe_shards_the_layer_on_a_fake_group():
+def test_the_probe_shards_the_layer_on_a_fake_group(monkeypatch):
     """The probe's layer is the real sharded one: its local parameters are the replicated
     ones plus 1/t of each sharded tensor (Megatron's split), and it runs forward and
     backward at both batches."""
@@ -798,6 +804,13 @@ def test_the_probe_shards_the_layer_on_a_fake_group():
     assert got["2"]["local_params"] == total - sharded + sharded // 2
     assert got["2"]["batch"]["forward_s"] > 0 and got["2"]["fit"]["backward_s"] > 0
     assert sum(p.numel() for p in layer.parameters()) == total  # the caller's layer untouched
+    # a child that cannot start: no times, and the ranks' barrier still called twice
+    synced = []
+    with monkeypatch.context() as m:
+        m.setattr(sys, "executable", shutil.which("false"))
+        assert time_sharded(layer, "", family.tp_plan, family.tp_attention, [x], None, [2],
+                            repeats=1, warmup=0, sync=lambda: synced.append(1)) is None  # fmt: skip
+    assert synced == [1, 1]
 
 
 def test_measured_tensor_parallel_share_replaces_the_perfect_split():

@@ -22,6 +22,7 @@ from trainers.comm.sparse import (
     dense_threshold,
     estimate_costs,
     estimate_features,
+    fit_nonnegative,
     measure_compute,
     sparse_allreduce,
 )
@@ -156,6 +157,25 @@ def test_the_computation_constants_are_measured_in_this_process():
                                       cpu_share=2.0)  # fmt: skip
     assert (model.latency, model.bandwidth, model.cpu_share) == (2e-4, 1e8, 2.0)
     assert model.merge > 0
+
+
+def test_the_constants_fit_is_scipys_nonnegative_least_squares():
+    """fit_nonnegative against scipy.optimize.nnls on the same relative-error system: exact
+    recovery of non-negative constants, and the constrained answer where the unconstrained
+    one has a negative term (a constant the times cannot support is 0)."""
+    nnls = pytest.importorskip("scipy.optimize").nnls
+    gen = torch.Generator().manual_seed(0)
+    a = torch.rand(12, 4, generator=gen, dtype=torch.float64) * torch.tensor([1e3, 1e6, 1e5, 1e4])
+    truth = torch.tensor([2e-6, 3e-9, 0.0, 5e-8], dtype=torch.float64)
+    exact = (a @ truth).tolist()
+    assert fit_nonnegative(a.tolist(), exact) == pytest.approx(truth.tolist(), rel=1e-9, abs=1e-18)
+    # times that a negative third constant would fit best
+    noisy = (a @ torch.tensor([2e-6, 3e-9, -4e-8, 5e-8], dtype=torch.float64)).abs() + 1e-4
+    weight = 1 / noisy
+    ref, _ = nnls((a * weight[:, None]).numpy(), (noisy * weight).numpy())
+    got = fit_nonnegative(a.tolist(), noisy.tolist())
+    assert min(got) >= 0.0
+    assert got == pytest.approx(ref.tolist(), rel=1e-6, abs=1e-15)
 
 
 def test_one_process_returns_its_input():

@@ -86,6 +86,7 @@ __all__ = [
     "dense_threshold",
     "estimate_costs",
     "estimate_features",
+    "fit_nonnegative",
     "measure_compute",
     "sparse_allreduce",
 ]
@@ -535,20 +536,29 @@ def measure_compute(numel: int = 1 << 22, repeats: int = 5) -> dict[str, float]:
         (part,) = streams(1, max(1, round(density * numel)))
         rows.append((0.0, 0.0, numel, part.count))
         times.append(median_time(lambda s=part: s.densify(numel)))
+    full = fit_nonnegative(rows, times)
+    return dict(zip(("merge", "scan", "fill", "scatter"), full, strict=True))
+
+
+def fit_nonnegative(rows: Sequence[Sequence[float]], times: Sequence[float]) -> list[float]:
+    """Coefficients ``x >= 0`` of ``times ~ rows @ x``, least squares on relative error
+    (each equation divided by its time): solved unconstrained, then with the most negative
+    term dropped, until none is negative (a term dropped is 0). Fits the cost model's
+    constants to measured times (:func:`measure_compute`, ``benchmarks/bench_sparse.py``)."""
     a = torch.tensor(rows, dtype=torch.float64)
     b = torch.tensor(times, dtype=torch.float64)
     weight = 1 / b
-    active = list(range(4))
-    while True:  # non-negative least squares by dropping negative terms
+    active = list(range(a.shape[1]))
+    while True:
         sol = torch.linalg.lstsq(a[:, active] * weight[:, None], (b * weight)[:, None]).solution
         sol = sol[:, 0]
         if (sol >= 0).all() or len(active) == 1:
             break
         active.pop(int(torch.argmin(sol)))
-    full = [0.0] * 4
+    full = [0.0] * a.shape[1]
     for j, v in zip(active, sol.tolist(), strict=True):
         full[j] = max(v, 0.0)
-    return dict(zip(("merge", "scan", "fill", "scatter"), full, strict=True))
+    return full
 
 
 def estimate_costs(

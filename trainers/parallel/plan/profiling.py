@@ -239,7 +239,8 @@ def _first_rows(values: Sequence[torch.Tensor], batch: int, rows: int) -> tuple[
 
 def _sharded_times(block: nn.Module, path: str, family: Any, values: Sequence[torch.Tensor],
                    degrees: Sequence[int], *, batch: int, fit: int, repeats: int,
-                   warmup: int) -> dict[str, dict[str, float]] | None:  # fmt: skip
+                   warmup: int, sync: Callable[[], None] | None = None,
+                   ) -> dict[str, dict[str, float]] | None:  # fmt: skip
     """Per degree, the forward and backward seconds (and their per-call parts) of ``block``
     with its tensor-parallel layer really sharded (:mod:`._tp_probe`); ``None`` if the probe
     could not run."""
@@ -247,7 +248,7 @@ def _sharded_times(block: nn.Module, path: str, family: Any, values: Sequence[to
 
     fit_values = _first_rows(values, batch, fit) if 1 <= fit < batch else None
     probed = time_sharded(block, path, family.tp_plan, family.tp_attention, values, fit_values,
-                          degrees, repeats=repeats, warmup=warmup)  # fmt: skip
+                          degrees, repeats=repeats, warmup=warmup, sync=sync)  # fmt: skip
     if probed is None:
         return None
     out = {}
@@ -267,7 +268,8 @@ def _sharded_times(block: nn.Module, path: str, family: Any, values: Sequence[to
 def _measure(blocks: Sequence[nn.Module], inputs: tuple[torch.Tensor, ...], *, family: Any,
              repeats: int,
              warmup: int, dedupe: bool, full: bool, tp_degree: int,
-             time_degrees: Sequence[int] = (), fit: int = 0) -> list[dict[str, Any]]:  # fmt: skip
+             time_degrees: Sequence[int] = (), fit: int = 0,
+             sync: Callable[[], None] | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """Per-block measurements along the chain (``full``: also bytes, FLOPs, the AdamW step;
     for a block around a tensor-parallel layer of ``family`` the sharded bytes at
     ``tp_degree`` and, at each of ``time_degrees``, the times of the block with its layer
@@ -287,6 +289,8 @@ def _measure(blocks: Sequence[nn.Module], inputs: tuple[torch.Tensor, ...], *, f
         was_meta = any(p.is_meta for p in block.parameters())
         _materialize(block)
         block.train()
+        if sync is not None:  # every rank times this block at the same time
+            sync()
         record = _time_block(block, values, repeats, warmup, optimizer=full)
         if full:
             exclude = {p.untyped_storage().data_ptr() for p in block.parameters()}
@@ -323,6 +327,7 @@ def _measure(blocks: Sequence[nn.Module], inputs: tuple[torch.Tensor, ...], *, f
                         fit=fit,
                         repeats=repeats,
                         warmup=warmup,
+                        sync=sync,
                     )  # fmt: skip
                     if time_degrees
                     else None
@@ -366,6 +371,7 @@ def profile_model(
     dedupe: bool = True,
     name: str | None = None,
     larger_batches: Sequence[int] = (),
+    sync: Callable[[], None] | None = None,
 ) -> Profile:
     """Measure every block of a zoo model on this machine (see the module docstring).
 
@@ -387,6 +393,11 @@ def profile_model(
             and ``batch`` (the time per sample grows with the batch once the activations
             leave the caches; measured on a small BERT: -9 % at 2x and -11 % at 4x the
             profile's batch by the line).
+        sync: when the ranks of a job profile at once (so that each sees the processes per
+            core of the run), a barrier of theirs, e.g. ``torch.distributed.barrier``: called
+            at the same points on every rank, before each block is timed and around each
+            tensor-parallel probe process (:mod:`._tp_probe`), so that no rank times while
+            another starts a process. Every rank must profile the same model and options.
 
     Zoo models are built on the meta device and each measured block gets real storage only
     while it runs, so profiling a model larger than this machine's memory works when its
@@ -422,7 +433,7 @@ def profile_model(
                                      owner=f"profiling {label}")  # fmt: skip
 
     inputs = inputs_of(batch)
-    common = dict(family=family, repeats=repeats, warmup=warmup, dedupe=dedupe)
+    common = dict(family=family, repeats=repeats, warmup=warmup, dedupe=dedupe, sync=sync)
     measured = _measure(blocks, inputs, full=True, tp_degree=tp_degree,
                         time_degrees=[d for d in degrees if d > 1], fit=fit, **common)  # fmt: skip
     small = None
