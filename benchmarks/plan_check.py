@@ -13,7 +13,9 @@ For each world size (default 2 and 4 processes on 127.0.0.1, one thread each) an
    background load, in step (``sync=dist.barrier``: a barrier before each block and around
    each tensor-parallel probe process, so that no rank times while another starts one); the
    element-wise median over the ranks is the profile;
-3. the planner picks the best micro-batches, schedule and boundaries for these degrees;
+3. the planner picks the best micro-batches, schedule and boundaries for these degrees,
+   told how many ranks share a core (``ranks_per_core`` = ranks / cores: a pipeline's
+   bubble then runs faster than the profile, taken with every rank busy);
 4. an optimizer step of the plan (forward, backward, gradient all-reduce, AdamW) is timed
    on the runtime (data parallel with one flat gradient all-reduce; tensor parallel with
    ``parallelize_bert`` on a (dp, tp) mesh; pipeline parallel with ``build_pipeline``, its
@@ -284,15 +286,18 @@ def measure(rank: int, world: int, args: argparse.Namespace, network: Network | 
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, own.to_dict())
         profile = median_profile([Profile.from_dict(d) for d in gathered])
+        share = max(1.0, world / (os.cpu_count() or 1))  # ranks per core, as profiled
         best = plan(
             profile, net, global_batch=args.global_batch, memory_bytes=math.inf,
             tensor_parallel=[tp], pipeline_parallel=[pp], max_tp=world, max_pp=world,
+            ranks_per_core=share,
         )  # fmt: skip
         if best.data_parallel != dp:
             raise RuntimeError(f"planned dp {best.data_parallel}, expected {dp}")
         # the same plan on an infinitely fast network: the prediction's compute part
         fast = Network.parse(f"{world}:1e12:0")
-        compute = predict_step_time(profile, fast, best.config, global_batch=args.global_batch)
+        compute = predict_step_time(profile, fast, best.config, global_batch=args.global_batch,
+                                    ranks_per_core=share)  # fmt: skip
         row: dict[str, Any] = {"world": world, "network": str(net), "gbps": gbps,
                                "latency_s": latency, "plan": best.to_dict(),
                                "predicted_compute_s": compute.step_s,

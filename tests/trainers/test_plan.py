@@ -98,6 +98,7 @@ def instance(seed: int) -> tuple[Profile, Network, dict]:
         "global_batch": rng.choice([8, 12, 16, 24]),
         "memory_bytes": rng.uniform(3e8, 4e9),
         "overlap": rng.choice([0.0, 0.5]),
+        "ranks_per_core": rng.choice([1.0, 1.0, 2.0, 3.0]),
     }
     return profile, network, options
 
@@ -317,6 +318,44 @@ def simulate(schedule: str, f: list[float], g: list[float], micro: int) -> tuple
     return max(clock), peak
 
 
+def simulate_shared(schedule: str, f: list[float], g: list[float], micro: int,
+                    ranks_per_core: float) -> float:  # fmt: skip
+    """Makespan of the schedule on ranks that share cores, ``ranks_per_core`` to a core,
+    ``f`` and ``g`` timed with every rank busy: while ``k`` of the ``S`` stages run an op, each
+    progresses at ``1 / max(1 / ranks_per_core, k / S)`` of its work per second (processor
+    sharing; 1 when the ranks have a core each). Event by event: start what may start, run
+    to the next op that ends."""
+    stages = len(f)
+    orders = [schedule_order(schedule, s, stages, micro) for s in range(stages)]
+    done: set[tuple[str, int, int]] = set()
+    pos, running = [0] * stages, [None] * stages
+    now = 0.0
+    while True:
+        for s in range(stages):
+            if running[s] is None and pos[s] < len(orders[s]):
+                kind, m = orders[s][pos[s]]
+                if kind == "F":
+                    dep = ("F", s - 1, m) if s > 0 else None
+                else:
+                    dep = ("B", s + 1, m) if s < stages - 1 else ("F", s, m)
+                if dep is None or dep in done:
+                    running[s] = [kind, m, f[s] if kind == "F" else g[s]]
+                    pos[s] += 1
+        busy = [s for s in range(stages) if running[s] is not None]
+        if not busy:
+            break
+        slow = max(1 / ranks_per_core, len(busy) / stages) if ranks_per_core > 1 else 1.0
+        step = min(running[s][2] for s in busy)
+        now += step * slow
+        for s in busy:
+            running[s][2] -= step
+            if running[s][2] <= 1e-15:
+                done.add((running[s][0], s, running[s][1]))
+                running[s] = None
+    assert all(pos[s] == len(orders[s]) for s in range(stages)), "deadlock"
+    return now
+
+
 def _pipeline_case(rng: random.Random, n: int, stages: int, balanced: bool):
     """A profile at the micro-batch itself (no scaling), one network level, dp 1."""
     fwd = [rng.uniform(0.01, 0.1) for _ in range(n)]
@@ -376,6 +415,35 @@ def test_pipeline_time_against_an_event_simulation_of_the_schedules(balanced):
                 worst_gap = max(worst_gap, 1 - simulated / pred.step_s)
     if not balanced:
         assert 0.0 < worst_gap < 0.5  # the bound is not always tight, and not far off
+
+
+def test_a_bubble_on_shared_cores_against_an_event_simulation():
+    """Ranks sharing cores (the profile timed with every rank busy): with balanced stages the
+    prediction is the processor-sharing simulation's makespan for both schedules, at 1 to 4
+    ranks per core; two stages on half a core each lose nothing to the bubble; at one rank
+    per core the prediction is the plain one."""
+    rng = random.Random(2)
+    for _ in range(40):
+        stages = rng.choice([2, 3, 4])
+        profile, network, bounds, f, g = _pipeline_case(rng, stages * rng.randint(1, 2),
+                                                        stages, True)  # fmt: skip
+        micro = rng.randint(stages, 9)
+        r = rng.choice([1.0, 1.5, 2.0, 3.0, 4.0])
+        for schedule in ("gpipe", "1f1b"):
+            config = ParallelConfig(1, stages, 1, micro, schedule, bounds)
+            pred = predict_step_time(profile, network, config, global_batch=micro,
+                                     ranks_per_core=r)  # fmt: skip
+            assert pred.step_s == pytest.approx(simulate_shared(schedule, f, g, micro, r),
+                                                rel=1e-9), (schedule, stages, micro, r)  # fmt: skip
+            plain = predict_step_time(profile, network, config, global_batch=micro)
+            assert (pred.step_s < plain.step_s) == (r > 1)
+    two = ParallelConfig(1, 2, 1, 4, "1f1b", (0, 1, 2))
+    case = _pipeline_case(random.Random(3), 2, 2, True)
+    halves = predict_step_time(case[0], case[1], two, global_batch=4, ranks_per_core=2.0)
+    assert halves.breakdown["bubble_s"] == 0.0
+    assert halves.step_s == pytest.approx(4 * (case[3][0] + case[4][0]), rel=1e-12)
+    with pytest.raises(ValueError, match="ranks_per_core must be >= 1"):
+        plan(case[0], case[1], global_batch=4, memory_bytes=math.inf, ranks_per_core=0.5)
 
 
 # ---- profile -----------------------------------------------------------------------------------
@@ -479,7 +547,7 @@ def test_plan_json_round_trip_and_validation_errors(tmp_path):
     }
     # the file's prediction is the model's for its placement
     again = predict_step_time(profile, network, back.config, global_batch=back.global_batch,
-                              overlap=back.overlap)  # fmt: skip
+                              overlap=back.overlap, ranks_per_core=back.ranks_per_core)  # fmt: skip
     assert again.step_s == pytest.approx(back.predicted_step_s, rel=1e-12)
     good = json.loads(path.read_text())
     cases = {
@@ -529,7 +597,8 @@ def test_cli_with_a_profile_file(tmp_path, capsys):
     out = tmp_path / "plan.json"
     argv = ["--profile", str(prof), "--global-batch", str(options["global_batch"]),
             "--devices", str(network.devices), "--memory-gb", str(options["memory_bytes"] / 2**30),
-            "--network", str(network), "--overlap", str(options["overlap"]), "--top", "3"]  # fmt: skip
+            "--network", str(network), "--overlap", str(options["overlap"]),
+            "--ranks-per-core", str(options["ranks_per_core"]), "--top", "3"]  # fmt: skip
     assert planner.main([*argv, "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "step s" in printed and "best plan, per stage" in printed
@@ -538,9 +607,13 @@ def test_cli_with_a_profile_file(tmp_path, capsys):
     assert written.config == expected.config
     # errors name the flag and say what to do
     with pytest.raises(SystemExit) as info:
-        planner.main([*argv[:-8], "--network", "7:10:1e-5", "--memory-gb", "1"])
+        planner.main([*argv[:-10], "--network", "7:10:1e-5", "--memory-gb", "1"])
     assert info.value.code == 2
     assert "--network" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        planner.main([*argv, "--ranks-per-core", "0.5"])
+    assert info.value.code == 2
+    assert "--ranks-per-core must be >= 1, got 0.5" in capsys.readouterr().err
     assert planner.main([*argv, "--memory-gb", "1e-6"]) == 2
     assert "smallest memory any needs" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -99,6 +99,18 @@ differ in memory; PyTorch's 1F1B needs ``M >= S``. The search therefore consider
 where 1F1B is not allowed (``M < S``) or not asked for: elsewhere 1F1B has the same predicted
 time with the same boundaries and never holds more activations.
 
+**Ranks sharing cores.** Where a machine runs more ranks than it has cores (a rehearsal on
+one host or on the lab network, ``r = ranks_per_core`` = ranks / cores > 1) and the profile
+was taken with every rank busy at once, the profile's times are those of a rank with ``1/r``
+of a core. While ``k`` of the ``S`` stages compute, their ranks get up to a core each and
+run in ``phi_k = max(1/r, k/S)`` of the profiled time; the ramp up and down of the schedule
+has two slots with ``k`` stages busy for each ``k = 1 .. S - 1``, so the bubble's part
+``sum_s u_s - max_s f_s - max_s g_s`` is multiplied by ``c = 2 mean_k phi_k - 1``
+(:func:`~.predict.bubble_factor`; exact for GPipe with balanced stages; ``c = 1`` for
+``r <= 1`` or ``S = 1``)::
+
+    T_pipe = M (max_s f_s + max_s g_s) + c (sum_s u_s - max_s f_s - max_s g_s)
+
 **Data parallelism and the update.** After the pipeline, each stage's ``dp`` replicas
 all-reduce its gradients (fp32, the local parameter bytes ``W_s = sum_k w'_k``) and step the
 optimizer; with an overlap fraction ``o`` (default 0: the gradient all-reduce starts after the

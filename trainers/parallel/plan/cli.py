@@ -121,6 +121,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="bytes kept per parameter byte (4: weights, grads, Adam's moments)")  # fmt: skip
     p.add_argument("--overlap", type=float, default=0.0,
                    help="fraction of the backward the dp all-reduce hides behind (0..1)")  # fmt: skip
+    p.add_argument("--ranks-per-core", type=float, default=1.0,
+                   help="ranks sharing one core, for a rehearsal with more ranks than cores "
+                        "on one machine (the lab: devices / cores) whose profile was taken "
+                        "with every rank busy: a pipeline's bubble then runs faster "
+                        "(1: a core or a device per rank)")  # fmt: skip
     scale = p.add_mutually_exclusive_group()
     scale.add_argument("--compute-scale", type=float, default=None,
                        help="multiply the profile's times (a device 1/x times as fast)")  # fmt: skip
@@ -158,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--memory-gb must be > 0, got {args.memory_gb}")
     if not 0 <= args.overlap <= 1:
         parser.error(f"--overlap must be in [0, 1], got {args.overlap}")
+    if not args.ranks_per_core >= 1:
+        parser.error(f"--ranks-per-core must be >= 1, got {args.ranks_per_core}")
     if args.optimizer_state_factor < 0:
         parser.error(f"--optimizer-state-factor must be >= 0, got {args.optimizer_state_factor}")
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
@@ -215,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             profile, network, global_batch=args.global_batch,
             memory_bytes=args.memory_gb * 2**30, k=args.top,
             optimizer_state_factor=args.optimizer_state_factor, overlap=args.overlap,
-            max_tp=args.max_tp, max_pp=args.max_pp, micro_batches=args.micro_batches,
+            ranks_per_core=args.ranks_per_core, max_tp=args.max_tp, max_pp=args.max_pp, micro_batches=args.micro_batches,
             schedules=schedules, runtime_only=args.runtime_only,
             min_micro_batch_size=args.min_micro_batch_size,
         )  # fmt: skip

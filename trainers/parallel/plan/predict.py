@@ -71,8 +71,10 @@ class _Costs:
         global_batch: int,
         optimizer_state_factor: float,
         overlap: float,
+        ranks_per_core: float = 1.0,
     ) -> None:
         self.tp, self.pp, self.dp, self.m, self.schedule = tp, pp, dp, micro_batches, schedule
+        self.bubble_factor = bubble_factor(pp, ranks_per_core)
         self.n = len(profile.blocks)
         self.micro_batch = global_batch // (dp * micro_batches)
         self.phi, self.overlap = optimizer_state_factor, overlap
@@ -170,7 +172,9 @@ class _Costs:
         return f, g, exposed + self._pc[j] - self._pc[i] + self._po[j] - self._po[i]
 
     def objective(self, total_u: float, max_f: float, max_g: float, max_e: float) -> float:
-        return total_u + (self.m - 1) * (max_f + max_g) + max_e
+        # M (F + G) + c (sum u - F - G) + E: non-decreasing in each argument (c <= 1 <= M)
+        c = self.bubble_factor
+        return c * total_u + (self.m - c) * (max_f + max_g) + max_e
 
     def predict(self, boundaries: Sequence[int]) -> Prediction:
         stages = []
@@ -211,7 +215,8 @@ class _Costs:
         breakdown = {
             "micro_batch_size": self.micro_batch,
             "steady_s": self.m * bottleneck,
-            "bubble_s": total_u - bottleneck,
+            "bubble_s": self.bubble_factor * (total_u - bottleneck),
+            "bubble_factor": self.bubble_factor,
             "update_s": update,
             "update_stage": slowest,
             "dp_allreduce_exposed_s": stages[slowest]["dp_allreduce_exposed_s"],
@@ -225,6 +230,24 @@ class _Costs:
         step = self.objective(total_u, max(fs), max(gs), update)
         memory = max(st["memory_bytes"] for st in stages)
         return Prediction(step, memory, breakdown)
+
+
+def bubble_factor(pp: int, ranks_per_core: float) -> float:
+    """The factor ``c`` on a pipeline's bubble, ``T_pipe = M (F + G) + c (sum u - F - G)``,
+    where ``ranks_per_core = r`` ranks share each core and the profile was taken with every
+    rank busy (each then had ``1 / r`` of a core). While ``k`` of the ``pp`` stages compute, a
+    busy rank gets ``min(1, cores / busy ranks)`` of a core, so their work takes
+    ``phi_k = max(1 / r, k / pp)`` of its profiled time. With balanced stages a schedule of
+    ``M >= pp`` micro-batches runs ``M - pp + 1`` slots with every stage busy and, in its
+    ramp up and down, two slots with ``k`` busy for each ``k = 1 .. pp - 1``, so
+    ``T_pipe = (M - pp + 1 + 2 sum_k phi_k) (f + g)``: ``c = 2 mean_k phi_k - 1`` (exact for
+    GPipe, checked against an event simulation with shared cores in the tests). 1 (no change)
+    with one stage or with a core (or a device) per rank; 0 for two stages on half a core
+    each (one stage alone runs twice as fast)."""
+    if pp <= 1 or ranks_per_core <= 1:
+        return 1.0
+    mean = sum(max(1 / ranks_per_core, k / pp) for k in range(1, pp)) / (pp - 1)
+    return 2 * mean - 1
 
 
 def _line(block: BlockProfile, key: str, micro_batch: int, batch: int) -> float:
@@ -305,9 +328,12 @@ def predict_step_time(
     global_batch: int,
     optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR,
     overlap: float = 0.0,
+    ranks_per_core: float = 1.0,
 ) -> Prediction:
     """Predicted seconds per optimizer step, memory per device and breakdown of ``config``
-    (the formulas of the module docstring).
+    (the formulas of the module docstring). ``ranks_per_core``: ranks sharing one core, where
+    a machine runs more ranks than it has cores and the profile was taken with every rank
+    busy (:func:`bubble_factor`); 1 (the default) where each rank has its own device.
 
     Raises:
         ValueError: ``config`` does not fit the profile, the network or the global batch.
@@ -324,6 +350,7 @@ def predict_step_time(
         global_batch=global_batch,
         optimizer_state_factor=optimizer_state_factor,
         overlap=overlap,
+        ranks_per_core=ranks_per_core,
     )
     return costs.predict(config.boundaries)
 
@@ -351,6 +378,7 @@ class Plan:
     memory_limit_bytes: float | None = None
     optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR
     overlap: float = 0.0
+    ranks_per_core: float = 1.0
 
     @property
     def config(self) -> ParallelConfig:
@@ -467,6 +495,7 @@ class Plan:
                 minimum=0.0,
             ),  # fmt: skip
             overlap=_get(data, "overlap", where, float, default=0.0, minimum=0.0),
+            ranks_per_core=_get(data, "ranks_per_core", where, float, default=1.0, minimum=1.0),
         )
 
 

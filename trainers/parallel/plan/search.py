@@ -97,7 +97,7 @@ def _best_split(costs: _Costs, limit: float, cutoff: float) -> tuple[float, tupl
     """The boundaries minimising the step time with every stage under ``limit``: the exact
     Pareto-label chain DP of the module docstring. Labels whose lower bound exceeds
     ``cutoff`` are dropped; None when nothing feasible beats it."""
-    n, stages, m = costs.n, costs.pp, costs.m
+    n, stages = costs.n, costs.pp
     bound = cutoff * (1 + 1e-9) if math.isfinite(cutoff) else cutoff
     # labels: (sum u, max f, max g, max E, (parent label, parent end)); stage -1 ends at 0
     frontier: dict[int, list[tuple]] = {0: [(0.0, 0.0, 0.0, 0.0, None)]}
@@ -115,7 +115,8 @@ def _best_split(costs: _Costs, limit: float, cutoff: float) -> tuple[float, tupl
                 for lab in labels:
                     total = lab[0] + u
                     mf, mg, me = max(lab[1], f), max(lab[2], g), max(lab[3], e)
-                    low = total + costs.rest[j] + (m - 1) * (max(mf, lb_f) + max(mg, lb_g)) + me
+                    low = costs.objective(total + costs.rest[j], max(mf, lb_f), max(mg, lb_g),
+                                          me)  # fmt: skip
                     if low > bound:
                         continue
                     cands.append((total, mf, mg, me, (lab, i)))
@@ -152,6 +153,7 @@ def _search(
     exhaustive: bool,
     optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR,
     overlap: float = 0.0,
+    ranks_per_core: float = 1.0,
     max_tp: int = 8,
     max_pp: int = 8,
     micro_batches: Sequence[int] | None = None,
@@ -165,6 +167,8 @@ def _search(
         raise ValueError(f"top k must be >= 1, got {k}")
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap must be in [0, 1], got {overlap}")
+    if not ranks_per_core >= 1.0:
+        raise ValueError(f"ranks_per_core must be >= 1, got {ranks_per_core}")
     if global_batch < 1:
         raise ValueError(f"global batch must be >= 1, got {global_batch}")
     configs = _candidates(
@@ -183,7 +187,7 @@ def _search(
             None,
         )
     options = dict(global_batch=global_batch, optimizer_state_factor=optimizer_state_factor,
-                   overlap=overlap)  # fmt: skip
+                   overlap=overlap, ranks_per_core=ranks_per_core)  # fmt: skip
     found: list[tuple[tuple, ParallelConfig, Prediction]] = []
     for tp, pp, dp, m, schedule in configs:
         costs = _Costs(profile, network, tp, pp, dp, m, schedule, **options)
@@ -227,14 +231,23 @@ def _search(
         )
     return [
         _make_plan(
-            profile, network, cfg, pred, global_batch, memory_bytes, optimizer_state_factor, overlap
-        )  # fmt: skip
+            profile,
+            network,
+            cfg,
+            pred,
+            global_batch,
+            memory_bytes,
+            optimizer_state_factor,
+            overlap,
+            ranks_per_core,
+        )
         for _, cfg, pred in found
     ]
 
 
 def _make_plan(profile: Profile, network: Network, config: ParallelConfig, pred: Prediction,
-               global_batch: int, memory_bytes: float, phi: float, overlap: float) -> Plan:  # fmt: skip
+               global_batch: int, memory_bytes: float, phi: float, overlap: float,
+               ranks_per_core: float) -> Plan:  # fmt: skip
     source = {
         "model": profile.model,
         "model_config": dict(profile.model_config),
@@ -262,6 +275,7 @@ def _make_plan(profile: Profile, network: Network, config: ParallelConfig, pred:
         memory_limit_bytes=memory_bytes if math.isfinite(memory_bytes) else None,
         optimizer_state_factor=phi,
         overlap=overlap,
+        ranks_per_core=ranks_per_core,
     )
 
 
@@ -290,7 +304,8 @@ def top_plans(profile: Profile, network: Network, *, global_batch: int, memory_b
         global_batch: samples per optimizer step over all replicas.
         memory_bytes: the memory limit per device.
         k: how many plans.
-        **options: ``optimizer_state_factor`` (4), ``overlap`` (0), ``max_tp`` (8),
+        **options: ``optimizer_state_factor`` (4), ``overlap`` (0), ``ranks_per_core`` (1:
+            a core or a device per rank; see :func:`~.predict.bubble_factor`), ``max_tp`` (8),
             ``max_pp`` (8), ``micro_batches`` (default: the divisors of the per-replica batch
             up to 64), ``min_micro_batch_size`` (1: samples per micro-batch at least),
             ``schedules`` (both), ``tensor_parallel`` / ``pipeline_parallel`` (only these
