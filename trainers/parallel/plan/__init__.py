@@ -106,10 +106,14 @@ of a core. While ``k`` of the ``S`` stages compute, their ranks get up to a core
 run in ``phi_k = max(1/r, k/S)`` of the profiled time; the ramp up and down of the schedule
 has two slots with ``k`` stages busy for each ``k = 1 .. S - 1``, so the bubble's part
 ``sum_s u_s - max_s f_s - max_s g_s`` is multiplied by ``c = 2 mean_k phi_k - 1``
-(:func:`~.predict.bubble_factor`; exact for GPipe with balanced stages; ``c = 1`` for
-``r <= 1`` or ``S = 1``)::
+(:func:`~.predict.bubble_factor`; ``c = 1`` for ``r <= 1`` or ``S = 1``). The bubble's
+communication (tensor-parallel all-reduces and receives, ``comm_s`` per stage and
+micro-batch) runs at the link's speed and is not sped up. With balanced stages this is the
+makespan of a processor-sharing simulation of GPipe, and of 1F1B without communication; with
+communication it bounds 1F1B from above (a stage computes faster while another talks)::
 
     T_pipe = M (max_s f_s + max_s g_s) + c (sum_s u_s - max_s f_s - max_s g_s)
+             + (1 - c) (S - 1) / S sum_s comm_s
 
 **Data parallelism and the update.** After the pipeline, each stage's ``dp`` replicas
 all-reduce its gradients (fp32, the local parameter bytes ``W_s = sum_k w'_k``) and step the
@@ -127,8 +131,9 @@ weights, gradients and Adam's two moments) and ``n_s`` micro-batches of activati
     mem_s = phi W_s + n_s sum_k a'_k(b)         mem = max_s mem_s <= limit
 
 **Search.** For each ``(tp, pp, dp, M, schedule)`` the boundaries minimise ``T_step`` exactly:
-a DP over (stage, first ``i`` blocks) keeps every Pareto-optimal label ``(sum u, max f, max g,
-max E)`` (the objective grows with each), drops stages over the memory limit, and prunes
+a DP over (stage, first ``i`` blocks) keeps every Pareto-optimal label ``(sum w, max f, max g,
+max E)``, ``w_s = c u_s + (1 - c) (S - 1) / S comm_s`` (``u_s`` when no cores are shared; the
+objective grows with each), drops stages over the memory limit, and prunes
 labels whose lower bound (remaining compute added, remaining single blocks in the maxima)
 cannot reach the ``k`` best plans found so far. :func:`brute_force` enumerates every split
 instead (for the tests). Plans are ranked by ``T_step``, then memory.

@@ -99,7 +99,8 @@ def _best_split(costs: _Costs, limit: float, cutoff: float) -> tuple[float, tupl
     ``cutoff`` are dropped; None when nothing feasible beats it."""
     n, stages = costs.n, costs.pp
     bound = cutoff * (1 + 1e-9) if math.isfinite(cutoff) else cutoff
-    # labels: (sum u, max f, max g, max E, (parent label, parent end)); stage -1 ends at 0
+    # labels: (sum of the stages' weights (u with c = 1), max f, max g, max E,
+    # (parent label, parent end)); stage -1 ends at 0
     frontier: dict[int, list[tuple]] = {0: [(0.0, 0.0, 0.0, 0.0, None)]}
     for s in range(stages):
         ends = [n] if s == stages - 1 else range(s + 1, n - (stages - s - 1) + 1)
@@ -110,13 +111,13 @@ def _best_split(costs: _Costs, limit: float, cutoff: float) -> tuple[float, tupl
                 if i >= j or costs.memory(s, i, j) > limit:
                     continue
                 f, g, e = costs.stage(s, i, j)
-                u = f + g
+                u = costs.weight(s, i, j, f, g)
                 lb_f, lb_g = costs.suf_f[j], costs.suf_g[j]
                 for lab in labels:
                     total = lab[0] + u
                     mf, mg, me = max(lab[1], f), max(lab[2], g), max(lab[3], e)
-                    low = costs.objective(total + costs.rest[j], max(mf, lb_f), max(mg, lb_g),
-                                          me)  # fmt: skip
+                    low = costs.objective(total + costs.bubble_factor * costs.rest[j],
+                                          max(mf, lb_f), max(mg, lb_g), me)  # fmt: skip
                     if low > bound:
                         continue
                     cands.append((total, mf, mg, me, (lab, i)))
