@@ -332,8 +332,8 @@ def not_comparable_reason(
         if portable:
             return (
                 f"the log was made on {_processor(rec_cpu)} in the portable exact mode, this "
-                f"machine is {_processor(cpu)}, and no rerun on another processor model has "
-                "verified the mode for this recipe yet (scripts/cross_processor.py, "
+                f"machine is {_processor(cpu)}, and no rerun on a processor of the other "
+                "vendor has verified the mode for this recipe yet (scripts/cross_processor.py, "
                 "docs/run_logs.md)"
             )
         return (

@@ -360,12 +360,22 @@ def portable_evidence(log: Path, header: Record, results: Path | None = None) ->
     """The pairs of ``scripts/cross_processor.py`` (``results``, default
     ``logs/cross_processor.json``) that verify the portable exact mode for ``log``'s recipe
     (the name of its folder): a log of that recipe made in the mode, with the same pins as
-    ``log`` (the mode's switches changed once already), whose whole rerun on another processor
-    model was identical in every record. ``"made on A, rerun on B (N records)"``, or None."""
+    ``log`` (the mode's switches changed once already), whose whole rerun on a processor of
+    the other vendor was identical in every record. Two models of one vendor are not enough:
+    the mode exists because Intel's and AMD's kernels part (docs/run_logs.md), and two Intel
+    models computed the same bits even under the usual pins. ``"made on A, rerun on B (N
+    records)"``, or None."""
     found = [
-        _evidence(p) for p in _portable_pairs(log, header, results) if _identical_and_complete(p)
+        _evidence(p)
+        for p in _portable_pairs(log, header, results)
+        if _identical_and_complete(p) and _vendor(p["publisher"]) != _vendor(p["rerun"])
     ]
     return "; ".join(found) or None
+
+
+def _vendor(name: str) -> str:
+    """``"GenuineIntel"`` of :func:`processor_name`'s ``"GenuineIntel 6/207 (...)"``."""
+    return str(name).split(" ", 1)[0]
 
 
 def portable_refutation(log: Path, header: Record, results: Path | None = None) -> str | None:
