@@ -222,7 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             profile, network, global_batch=args.global_batch,
             memory_bytes=args.memory_gb * 2**30, k=args.top,
             optimizer_state_factor=args.optimizer_state_factor, overlap=args.overlap,
-            ranks_per_core=args.ranks_per_core, max_tp=args.max_tp, max_pp=args.max_pp, micro_batches=args.micro_batches,
+            ranks_per_core=args.ranks_per_core, max_tp=args.max_tp, max_pp=args.max_pp,
+            micro_batches=args.micro_batches,
             schedules=schedules, runtime_only=args.runtime_only,
             min_micro_batch_size=args.min_micro_batch_size,
         )  # fmt: skip

@@ -126,7 +126,7 @@ class _Costs:
             copies.append(b.grad_copy_s * (w / b.param_bytes) if b.param_bytes and dp > 1 else 0.0)
             out.append(b.output_bytes * ratio)
         self.fwd, self.bwd, self.comp, self.tpc, self.out = fwd, bwd, comp, tpc, out
-        self._pt = _prefix(tpc)
+        self._pm = _prefix(comp)
         # the bubble's communication is not sped up by idle cores (see objective)
         self._comm_weight = (1 - self.bubble_factor) * (pp - 1) / pp
         self.act, self.par, self.opt = act, par, opt
@@ -174,14 +174,13 @@ class _Costs:
         )
         return f, g, exposed + self._pc[j] - self._pc[i] + self._po[j] - self._po[i]
 
-    def weight(self, s: int, i: int, j: int, f: float, g: float) -> float:
-        """Stage ``s`` = blocks ``i .. j-1`` with per-micro-batch ``f``, ``g``: its additive part
+    def weight(self, i: int, j: int, f: float, g: float) -> float:
+        """The stage of blocks ``i .. j-1`` with per-micro-batch ``f``, ``g``: its additive part
         of the step, ``c u_s + (1 - c) (S - 1) / S comm_s`` (``comm_s``: its tensor-parallel
         all-reduces and receives, which run at the link's speed however many ranks compute)."""
         if self._comm_weight == 0.0:
             return f + g
-        fin, bin_ = self.recv(s, i, j)
-        comm = self._pt[j] - self._pt[i] + fin + bin_
+        comm = f + g - (self._pm[j] - self._pm[i])  # all but the blocks' computation
         return self.bubble_factor * (f + g) + self._comm_weight * comm
 
     def objective(self, total_w: float, max_f: float, max_g: float, max_e: float) -> float:
@@ -204,7 +203,7 @@ class _Costs:
             fs.append(f)
             gs.append(g)
             es.append(e)
-            ws.append(self.weight(s, i, j, f, g))
+            ws.append(self.weight(i, j, f, g))
             stages.append(
                 {
                     "blocks": [i, j],

@@ -111,7 +111,7 @@ def _best_split(costs: _Costs, limit: float, cutoff: float) -> tuple[float, tupl
                 if i >= j or costs.memory(s, i, j) > limit:
                     continue
                 f, g, e = costs.stage(s, i, j)
-                u = costs.weight(s, i, j, f, g)
+                u = costs.weight(i, j, f, g)
                 lb_f, lb_g = costs.suf_f[j], costs.suf_g[j]
                 for lab in labels:
                     total = lab[0] + u
