@@ -16,6 +16,10 @@ part with its own time budget so that the whole stays under ``--budget`` seconds
 5. **Adasum on CUDA**: the pairwise rule (``trainers.comm.adasum.adasum_pair``) on ResNet-50's
    gradient shapes on the GPU against the float64 CPU rule (largest relative difference), and
    its time against a plain ``a + b``.
+6. **Compiled** (the training scripts' ``--compile``, ``auto`` on CUDA): parts 3 and 4 again
+   through ``torch.compile`` (of ResNeSt-50; of our BERT, against eager ``transformers``),
+   with the first step's seconds (the compilation). Targets of issue 41: ResNeSt-50 at least
+   2,300 images/s and BERT-Base at least 1.3x ``transformers`` on an H200.
 
 It prints each figure, writes them to ``benchmarks/results/gpu/gpu_check.json`` (not beside
 the peer benchmarks' results, which ``make_doc.py`` renders as a table) and to the
@@ -117,13 +121,17 @@ def optimizer_steps(device: torch.device, rounds: int, quick: bool) -> dict[str,
 
 
 # ---- 3. ResNeSt-50 training images/s -----------------------------------------------------------
-def resnest_images_per_s(device: torch.device, rounds: int, batch: int, quick: bool) -> dict:
+def resnest_images_per_s(device: torch.device, rounds: int, batch: int, quick: bool,
+                         compiled: bool = False) -> dict:  # fmt: skip
+    """``compiled``: through ``torch.compile`` of the model, as the trainer's ``--compile``
+    trains (the first, warm-up call compiles: its seconds are ``compile_s``)."""
     import modelzoo
 
     size = 32 if quick else 224
     name = "resnest14" if quick else "resnest50"
     model = modelzoo.get_model(name, num_classes=1000).to(device)
     model = model.to(memory_format=torch.channels_last).train()
+    forward = torch.compile(model) if compiled else model
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, size, size, generator=g).to(device)
@@ -133,12 +141,17 @@ def resnest_images_per_s(device: torch.device, rounds: int, batch: int, quick: b
 
     def step() -> None:
         with torch.autocast(device.type, dtype=dtype):
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(forward(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     steps = 1 if quick else 10
+    sync(device)
+    begin = time.perf_counter()
+    step()  # compiles when compiled
+    sync(device)
+    first = time.perf_counter() - begin
 
     def many() -> None:
         for _ in range(steps):
@@ -146,12 +159,18 @@ def resnest_images_per_s(device: torch.device, rounds: int, batch: int, quick: b
 
     seconds = timed_rounds(many, rounds, device)
     per_s = [batch * steps / s for s in seconds]
-    return {"model": name, "image_size": size, "batch": batch, "precision": "bf16 autocast",
-            "channels_last": True, "images_per_s": per_s}  # fmt: skip
+    out = {"model": name, "image_size": size, "batch": batch, "precision": "bf16 autocast",
+           "channels_last": True, "images_per_s": per_s}  # fmt: skip
+    if compiled:
+        out["compile_s"] = first
+    return out
 
 
 # ---- 4. BERT-Base SQuAD training sequences/s, ours vs transformers ---------------------------
-def bert_sequences_per_s(device: torch.device, rounds: int, batch: int, quick: bool) -> dict:
+def bert_sequences_per_s(device: torch.device, rounds: int, batch: int, quick: bool,
+                         compiled: bool = False) -> dict:  # fmt: skip
+    """``compiled``: ours through ``torch.compile`` (the trainer's ``--compile``), against
+    eager ``transformers`` (the peer as its users run it); ``compile_s``: our warm-up step."""
     import bench_bert
 
     seq = 128 if quick else 384
@@ -164,22 +183,27 @@ def bert_sequences_per_s(device: torch.device, rounds: int, batch: int, quick: b
     data = bench_bert.make_batch(batch, seq, device)
     opts = {"ours": torch.optim.AdamW(ours.parameters(), lr=1e-5),
             "hf": torch.optim.AdamW(hf.parameters(), lr=1e-5)}  # fmt: skip
-    sides = {"ours": (bench_bert.ours_step, ours), "hf": (bench_bert.hf_step, hf)}
+    sides = {"ours": (bench_bert.ours_step, torch.compile(ours) if compiled else ours),
+             "hf": (bench_bert.hf_step, hf)}  # fmt: skip
 
     def run(name: str) -> None:
         step, model = sides[name]
         with torch.autocast(device.type, dtype=torch.bfloat16):
             step(model, opts[name], data)
 
-    for name in sides:  # warm-up
-        run(name)
+    warmup = {}
+    for name in sides:  # warm-up (ours compiles when compiled)
+        warmup[name] = timed_rounds(lambda n=name: run(n), 1, device)[0]
     seconds: dict[str, list[float]] = {"ours": [], "hf": []}
     for r in range(rounds):
         for name in ("ours", "hf") if r % 2 == 0 else ("hf", "ours"):
             seconds[name] += timed_rounds(lambda n=name: run(n), 1, device)
-    return {"batch": batch, "seq_len": seq, "precision": "bf16 autocast, AdamW",
-            "sequences_per_s": {n: [batch / s for s in ts] for n, ts in seconds.items()},
-            "ratio": statistics.median(seconds["hf"]) / statistics.median(seconds["ours"])}  # fmt: skip
+    out = {"batch": batch, "seq_len": seq, "precision": "bf16 autocast, AdamW",
+           "sequences_per_s": {n: [batch / s for s in ts] for n, ts in seconds.items()},
+           "ratio": statistics.median(seconds["hf"]) / statistics.median(seconds["ours"])}  # fmt: skip
+    if compiled:
+        out["compile_s"] = warmup["ours"]
+    return out
 
 
 # ---- 5. Adasum on the GPU ----------------------------------------------------------------------
@@ -245,6 +269,21 @@ def render(res: dict[str, Any]) -> str:
             f"{bb['precision']}: ours {_mmm(s['ours'])}, transformers (sdpa) {_mmm(s['hf'])} "
             f"sequences/s, ratio {bb['ratio']:.3f} (NVIDIA: "
             f"{NVIDIA['bert_large_squad_seq_per_s']}; BERT-Large is about 3x BERT-Base's work)."
+        )
+    rc = res.get("resnest_compiled")
+    if rc:
+        eager = f" ({statistics.median(rc['images_per_s']) / statistics.median(r['images_per_s']):.2f}x eager)" if r else ""  # fmt: skip
+        lines.append(
+            f"- the same, compiled (`--compile`: `torch.compile`, first step "
+            f"{rc['compile_s']:.0f} s): {_mmm(rc['images_per_s'])} images/s{eager}."
+        )
+    bc = res.get("bert_compiled")
+    if bc:
+        s = bc["sequences_per_s"]
+        lines.append(
+            f"- BERT-Base span QA, ours compiled (first step {bc['compile_s']:.0f} s) against "
+            f"eager transformers: {_mmm(s['ours'])} against {_mmm(s['hf'])} sequences/s, "
+            f"ratio {bc['ratio']:.3f}."
         )
     a = res.get("adasum")
     if a:
@@ -318,6 +357,28 @@ def main(argv: list[str] | None = None) -> int:
             ),
         ),  # fmt: skip
         ("adasum", 0.05, lambda: adasum_cuda(device, args.rounds, args.quick)),
+        (
+            "resnest_compiled",
+            0.15,
+            lambda: resnest_images_per_s(
+                device,
+                args.rounds,
+                4 if args.quick else args.image_batch,
+                args.quick,
+                compiled=True,
+            ),
+        ),  # fmt: skip
+        (
+            "bert_compiled",
+            0.15,
+            lambda: bert_sequences_per_s(
+                device,
+                args.rounds,
+                2 if args.quick else args.bert_batch,
+                args.quick,
+                compiled=True,
+            ),
+        ),  # fmt: skip
     ]
     if not args.skip_tests:
         left = args.budget * 0.35

@@ -129,7 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     add_run_args(o, g, seed_help="run seed: initial weights, data order, neighbour sampling",
                  clip_grad_norm=False, accumulate=False, precision=False, logging_file=False,
-                 log_interval_help="steps between step records")  # fmt: skip
+                 log_interval_help="steps between step records", compile_default="off",
+                 compile_help="torch.compile the model (default off: sampled subgraphs change "
+                 "shape every step and recompile; sparse message passing)")  # fmt: skip
     p.add_mxnet_options("--gpus", "--num-gpus", "--kvstore")
     brief(p, "--dataset", "--data-dir", "--download", "--model", "--hidden", "--num-layers",
           "--dropout", "--fanouts", "--batch-size", "--num-epochs", "--early-stop", "--seed",

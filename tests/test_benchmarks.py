@@ -39,15 +39,21 @@ def test_gpu_check_runs_every_part_and_writes_its_section(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["skipped"] == {}
-    for part in ("optimizers", "resnest", "bert", "adasum"):
+    for part in ("optimizers", "resnest", "bert", "adasum", "resnest_compiled", "bert_compiled"):
         assert part in res, part
+    assert (
+        res["resnest_compiled"]["compile_s"] > 0
+        and len(res["resnest_compiled"]["images_per_s"]) == 5
+    )
+    assert set(res["bert_compiled"]["sequences_per_s"]) == {"ours", "hf"}
     assert len(res["resnest"]["images_per_s"]) == 5
     assert set(res["bert"]["sequences_per_s"]) == {"ours", "hf"}
     assert 0 <= res["adasum"]["max_rel_diff_vs_cpu_float64"] < 1e-6
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nbefore\n\n") and text.endswith("\n\nafter\n")
     assert "old" not in text
-    for words in ("Optimizer step", "training, 32x32", "span-QA training", "Adasum's rule"):
+    for words in ("Optimizer step", "training, 32x32", "span-QA training", "Adasum's rule",
+                  "the same, compiled", "ours compiled"):  # fmt: skip
         assert words in text, words
 
 

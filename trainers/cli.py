@@ -42,6 +42,7 @@ from .cli_parser import (
 )
 from .comm import GradCombiner, combiner_class, create_combiner, list_combiners
 from .config import (
+    COMPILE_MODES,
     CombinerConfig,
     ElasticConfig,
     OptimizerConfig,
@@ -127,12 +128,16 @@ def add_run_args(
     log_interval: int | None = None,
     log_interval_help: str = "optimizer steps between log lines",
     logging_file: bool = True,
+    compile_default: str = "auto",
+    compile_help: str = "torch.compile the model: auto = on a CUDA device without tensor or "
+    "pipeline parallelism, off on CPU",
 ) -> None:
     """The flags of the training loop every script shares, in the script's ``training`` and
     ``logging`` argument groups: ``--accumulate``, ``--clip-grad-norm`` (default
     ``clip_grad_norm``; ``False``: no such flag), ``--skip-nonfinite``, ``--dtype``,
-    ``--max-steps``, ``--seed``; ``--log-interval``, ``--run-log``, ``--logging-file``,
-    ``--no-progress``. :func:`trainer_config` reads them back."""
+    ``--compile`` (default ``compile_default``), ``--max-steps``, ``--seed``;
+    ``--log-interval``, ``--run-log``, ``--logging-file``, ``--no-progress``.
+    :func:`trainer_config` reads them back."""
     if accumulate:
         training.add_argument(
             "--accumulate", type=int, default=1, help="micro-batches per optimizer step"
@@ -152,6 +157,9 @@ def add_run_args(
             "--dtype", type=str, default="float32", choices=sorted(DTYPES),
             help="float16: autocast with loss scaling; bfloat16: autocast",
         )  # fmt: skip
+    training.add_argument(
+        "--compile", type=str, default=compile_default, choices=COMPILE_MODES, help=compile_help
+    )
     training.add_argument("--max-steps", type=int, default=None, help=max_steps_help)
     training.add_argument("--seed", type=int, default=seed, help=seed_help)
     logging.add_argument("--log-interval", type=int, default=log_interval, help=log_interval_help)
@@ -184,6 +192,8 @@ def trainer_config(args: argparse.Namespace, **fields: Any) -> TrainerConfig:
         config["clip_grad_norm"] = clip if clip is not None and clip > 0 else None
     if hasattr(args, "num_workers"):
         config["num_workers"] = args.num_workers
+    if hasattr(args, "compile"):
+        config["compile"] = args.compile
     config.update(fields)
     return TrainerConfig(**config)
 

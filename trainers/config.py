@@ -169,6 +169,7 @@ class ElasticConfig:
 
 
 _PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPILE_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,12 @@ class TrainerConfig:
             step in this mode) and counted in the end record (``nonfinite_steps_skipped``);
             one more stops the run with :class:`~trainers.errors.NonFiniteError`. 0 (default):
             the first non-finite loss stops the run (``--skip-nonfinite N``).
+        compile: train through ``torch.compile`` of the model (of its DDP wrapper when
+            averaging; the model itself, its ``state_dict`` keys, checkpoints and evaluation
+            stay eager): ``"on"``, ``"off"``, or ``"auto"`` (default): on where it pays, on a
+            CUDA device, and off on CPU (eager keeps published logs exactly reproducible, and
+            a short run does not earn back the compilation) and with tensor or pipeline
+            parallelism (``--compile``; :func:`~trainers.trainer.resolve_compile`).
     """
 
     epochs: int = 1
@@ -229,8 +236,13 @@ class TrainerConfig:
     progress: bool = True
     inject_straggler: tuple[int, float] | None = None
     skip_nonfinite: int = 0
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(
+                f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}"
+            )
         if self.inject_straggler is not None:
             rank, factor = self.inject_straggler
             if rank < 0 or factor < 1:

@@ -15,8 +15,20 @@ from tests.trainers._trainer_toys import ToyDataset, eval_step, lr_fn, make_mlp,
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
 
 
-def build(env, config, logger=None):
-    model = make_mlp(seed=0)
+class Wrapped(torch.nn.Module):
+    """make_mlp's model in a module of its own: torch.compile of DDP captures the forward of
+    a user's module, not that of a bare ``nn.Sequential`` (every frame torch's own)."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def build(env, config, logger=None, wrap=False):
+    model = Wrapped(make_mlp(seed=0)) if wrap else make_mlp(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=lr_fn(0), momentum=0.9, weight_decay=1e-3)
     return Trainer(
         model,
@@ -60,6 +72,18 @@ def main(out: Path) -> None:
         results["accum"] = [p.detach().clone() for p in trainer.model.parameters()]
         results["accum_steps"] = trainer.global_step
         results["allreduce_calls"] = calls["n"]
+
+        # Compiled (torch.compile of the DDP wrapper), with accumulation: DDP's no_sync and
+        # its bucket all-reduce through the compiled module.
+        cfg = TrainerConfig(epochs=2, batch_size=2, grad_accum_steps=2, seed=6, log_interval=0,
+                            compile="on")  # fmt: skip
+        trainer = build(env, cfg, wrap=True)
+        compiled_calls = {"n": 0}
+        trainer.forward_model.register_comm_hook(compiled_calls, counting_hook)
+        trainer.fit(ToyDataset(32))
+        results["compiled"] = [p.detach().clone() for p in trainer.model.parameters()]
+        results["compiled_allreduce_calls"] = compiled_calls["n"]
+        results["compiled_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         torch.save(results, out / f"rank{env.rank}.pt")
 
 
