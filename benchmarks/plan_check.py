@@ -37,7 +37,13 @@ network) and the bytes every node's interface sent per step. The ranks are start
 :func:`trainers.netlab.start_ranks` as ``python benchmarks/plan_check.py --worker FILE``, which
 reads torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
 
+``--only TP,PP,DP [...]`` checks only those degrees and ``--micro-batches M[,M...]`` plans each
+of them at each of those micro-batch counts instead of the planner's own choice (the planner
+still picks the schedule and the stages): how the prediction and the measured step move with
+the micro-batches, e.g. ``--worlds 4 --only 1,4,1 --micro-batches 4,8,16,32``.
+
 Usage: python benchmarks/plan_check.py [--worlds 2,4] [--rounds 5] [--json out.json]
+           [--only TP,PP,DP ...] [--micro-batches M[,M...]]
        python benchmarks/plan_check.py --netlab 100mbit [--worlds 2,4] [--latency-us U]
            [--timeout 3600] [--json benchmarks/results/netlab/plan_check_netlab_100mbit.json]
 """
@@ -269,14 +275,14 @@ def measure(rank: int, world: int, args: argparse.Namespace, network: Network | 
     rank 0's rows (the others' are ``[]``). ``network``: the planner's network (``None``:
     calibrate the loopback link before each plan)."""
     rows = []
-    for tp, pp, dp in CONFIGS[world]:
+    configs = [c for c in (args.only or CONFIGS[world]) if c[0] * c[1] * c[2] == world]
+    for tp, pp, dp in configs:
         # link and profile just before the run, so that both see the load the run sees
         if network is None:
             gbps, latency = calibrate(world)
             net = Network.parse(f"{world}:{gbps:.6g}:{latency:.6g}")
         else:
             net = network
-            gbps, latency = net.levels[0].gbps, net.levels[0].latency_s
         torch.manual_seed(0)
         model = BertForQuestionAnswering(bert_config(args))
         own = profile_model(model, seq_len=args.seq_len, batch=args.profile_batch, repeats=5,
@@ -287,33 +293,40 @@ def measure(rank: int, world: int, args: argparse.Namespace, network: Network | 
         dist.all_gather_object(gathered, own.to_dict())
         profile = median_profile([Profile.from_dict(d) for d in gathered])
         share = max(1.0, world / (os.cpu_count() or 1))  # ranks per core, as profiled
-        best = plan(
-            profile, net, global_batch=args.global_batch, memory_bytes=math.inf,
-            tensor_parallel=[tp], pipeline_parallel=[pp], max_tp=world, max_pp=world,
-            ranks_per_core=share,
-        )  # fmt: skip
-        if best.data_parallel != dp:
-            raise RuntimeError(f"planned dp {best.data_parallel}, expected {dp}")
-        # the same plan on an infinitely fast network: the prediction's compute part
-        fast = Network.parse(f"{world}:1e12:0")
-        compute = predict_step_time(profile, fast, best.config, global_batch=args.global_batch,
-                                    ranks_per_core=share)  # fmt: skip
-        row: dict[str, Any] = {"world": world, "network": str(net), "gbps": gbps,
-                               "latency_s": latency, "plan": best.to_dict(),
-                               "predicted_compute_s": compute.step_s,
-                               "profile": profile.to_dict()}  # fmt: skip
-        step = build_step(best, args, rank)
-        tx = interface_tx_bytes()
-        row["measured_s"] = time_rounds(step, args.rounds, args.warmup)
-        after = interface_tx_bytes()
-        sent: list[Any] = [None] * world
-        per_step = (
-            None if tx is None or after is None else (after - tx) / (args.rounds + args.warmup)
-        )
-        dist.all_gather_object(sent, per_step)
-        row["wire_bytes_per_step"] = sent
-        rows.append(row)
+        for micro in args.micro_batches or [None]:
+            rows.append(_run_plan(rank, world, args, net, profile, share, (tp, pp, dp), micro))
     return rows
+
+
+def _run_plan(rank: int, world: int, args: argparse.Namespace, net: Network, profile: Profile,
+              share: float, degrees: tuple[int, int, int], micro: int | None) -> dict:  # fmt: skip
+    """Plan ``degrees`` (the planner's micro-batches, or ``micro``), time it, one row."""
+    tp, pp, dp = degrees
+    gbps, latency = net.levels[0].gbps, net.levels[0].latency_s  # as calibrated or given
+    best = plan(
+        profile, net, global_batch=args.global_batch, memory_bytes=math.inf,
+        tensor_parallel=[tp], pipeline_parallel=[pp], max_tp=world, max_pp=world,
+        ranks_per_core=share, **({} if micro is None else {"micro_batches": [micro]}),
+    )  # fmt: skip
+    if best.data_parallel != dp:
+        raise RuntimeError(f"planned dp {best.data_parallel}, expected {dp}")
+    # the same plan on an infinitely fast network: the prediction's compute part
+    fast = Network.parse(f"{world}:1e12:0")
+    compute = predict_step_time(profile, fast, best.config, global_batch=args.global_batch,
+                                ranks_per_core=share)  # fmt: skip
+    row: dict[str, Any] = {"world": world, "network": str(net), "gbps": gbps,
+                           "latency_s": latency, "plan": best.to_dict(),
+                           "predicted_compute_s": compute.step_s,
+                           "profile": profile.to_dict()}  # fmt: skip
+    step = build_step(best, args, rank)
+    tx = interface_tx_bytes()
+    row["measured_s"] = time_rounds(step, args.rounds, args.warmup)
+    after = interface_tx_bytes()
+    sent: list[Any] = [None] * world
+    per_step = None if tx is None or after is None else (after - tx) / (args.rounds + args.warmup)
+    dist.all_gather_object(sent, per_step)
+    row["wire_bytes_per_step"] = sent
+    return row
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
@@ -381,6 +394,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _degrees(text: str) -> tuple[int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 3 or not all(v.isdigit() and int(v) >= 1 for v in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not TP,PP,DP (three integers >= 1)")
+    tp, pp, dp = (int(v) for v in parts)
+    return tp, pp, dp
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worlds", type=lambda t: [int(v) for v in t.split(",")], default=[2, 4])
@@ -405,6 +426,12 @@ def main() -> int:
                    help="--netlab: the planner's per-message latency (microseconds)")  # fmt: skip
     p.add_argument("--timeout", type=int, default=3600,
                    help="--netlab: seconds one lab run may take before it is stopped")  # fmt: skip
+    p.add_argument("--only", type=_degrees, nargs="+", default=None, metavar="TP,PP,DP",
+                   help="check only these (tensor, pipeline, data) degrees, e.g. 1,4,1")  # fmt: skip
+    p.add_argument("--micro-batches", type=lambda t: [int(v) for v in t.split(",")],
+                   default=None, metavar="M[,M...]",
+                   help="plan each configuration at each of these micro-batch counts instead "
+                   "of the planner's choice (the planner still picks schedule and stages)")  # fmt: skip
     p.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -413,8 +440,19 @@ def main() -> int:
     if args.rounds < 5:
         p.error(f"--rounds must be >= 5 (min / median / max of the measured steps), got {args.rounds}")  # fmt: skip
     for world in args.worlds:
-        if world not in CONFIGS:
-            p.error(f"--worlds: {world} processes has no configurations; use 2 or 4")
+        if world not in CONFIGS and not args.only:
+            p.error(f"--worlds: {world} processes has no configurations; use 2 or 4, or --only")
+    if args.only:
+        worlds = {tp * pp * dp for tp, pp, dp in args.only}
+        if not worlds <= set(args.worlds):
+            p.error(f"--only: degrees for {sorted(worlds)} processes; --worlds has "
+                    f"{args.worlds} (give --worlds {','.join(map(str, sorted(worlds)))})")  # fmt: skip
+        args.worlds = [w for w in args.worlds if w in worlds]
+    for micro in args.micro_batches or []:
+        for _tp, _pp, dp in args.only or [c for w in args.worlds for c in CONFIGS[w]]:
+            if micro < 1 or args.global_batch % (dp * micro):
+                p.error(f"--micro-batches {micro}: the global batch {args.global_batch} does "
+                        f"not divide into data_parallel {dp} x {micro} micro-batches")  # fmt: skip
     if args.netlab:
         from trainers.netlab import missing_requirements  # noqa: PLC0415
 

@@ -121,3 +121,41 @@ def test_bench_network_on_two_lab_nodes_writes_a_result_make_doc_reads(tmp_path)
     for sent in head["sent_bytes_per_node"]:  # the payload plus headers, barriers, timing
         assert 2e6 <= sent < 2e6 * 1.05, head
     assert not [name for name in list_labs() if re.fullmatch(r"bn\d+s\d+", name)]
+
+
+PLAN_CHECK = ROOT / "benchmarks" / "plan_check.py"
+TINY_BERT = ["--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "1024", "--warmup", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_plan_check_at_chosen_degrees_and_micro_batches(tmp_path):
+    """``--only`` and ``--micro-batches``: one row per micro-batch count, each planned at it."""
+    out = tmp_path / "plan.json"
+    done = subprocess.run(
+        [sys.executable, str(PLAN_CHECK), "--worlds", "2", "--only", "1,2,1",
+         "--micro-batches", "2,4", *TINY_BERT, "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=500,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1].startswith("max_rel_error=")
+    rows = json.loads(out.read_text())["2"]
+    assert [(r["plan"]["pipeline_parallel"], r["plan"]["micro_batches"]) for r in rows] == [
+        (2, 2),
+        (2, 4),
+    ]
+    assert all(len(r["measured_s"]) == 5 for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--only", "1,4"], "'1,4' is not TP,PP,DP"),
+        (["--worlds", "2", "--only", "1,4,1"], "--only: degrees for [4] processes"),
+        (["--only", "1,2,1", "--micro-batches", "3"], "--micro-batches 3: the global batch 32"),
+    ],
+)
+def test_plan_check_refuses_bad_degrees_and_micro_batches(argv, message):
+    done = subprocess.run([sys.executable, str(PLAN_CHECK), *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
