@@ -117,9 +117,10 @@ def resolve_compile(
     ``"off"``: no. ``"on"``: yes, except with tensor or pipeline parallelism, which
     ``torch.compile`` is not checked with here (a :class:`~trainers.errors.UsageError` saying
     so). ``"auto"``: on a CUDA device without tensor or pipeline parallelism, where it pays
-    (ResNeSt-50 training on an H200: 2,357 images/s compiled against 1,555 eager,
-    ``docs/benchmarks.md``); off on CPU, where eager keeps published logs exactly
-    reproducible and a short run does not earn back the compilation.
+    (ResNeSt-50 training on an H200 with torch 2.11: 2,357 images/s compiled against 1,555
+    eager, the measurement that opened issue 41; ``benchmarks/gpu_check.py`` measures both);
+    off on CPU, where eager keeps published logs exactly reproducible and a short run does
+    not earn back the compilation.
     """
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"compile must be 'auto', 'on' or 'off', got {setting!r}")

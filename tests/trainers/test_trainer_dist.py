@@ -55,18 +55,25 @@ def test_ddp_equals_one_process_with_the_same_global_batch(two_ranks):
         assert r0["eval"][name] == pytest.approx(value, abs=1e-5)
 
 
+def _same_on_both_and_as_one_process(rank0, rank1, *, grad_accum_steps):
+    """Both ranks' weights equal, and (to float summation order) those of one process with
+    the global batch of 2 ranks x 2 samples over ``grad_accum_steps`` micro-steps."""
+    ref = one_process(
+        TrainerConfig(epochs=2, batch_size=4, grad_accum_steps=grad_accum_steps, seed=6,
+                      log_interval=0),
+        ToyDataset(32),
+    )  # fmt: skip
+    for a, b, want in zip(rank0, rank1, ref.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, want.detach(), rtol=0, atol=1e-5)
+
+
 def test_accumulation_skips_sync_on_non_final_micro_steps(two_ranks):
     _, (r0, r1) = two_ranks
     assert r0["accum_steps"] == 4
     # One bucket (a tiny model): one all-reduce per optimizer step, not per micro-step.
     assert r0["allreduce_calls"] == r1["allreduce_calls"] == 4
-    ref = one_process(
-        TrainerConfig(epochs=2, batch_size=4, grad_accum_steps=4, seed=6, log_interval=0),
-        ToyDataset(32),
-    )
-    for a, b, want in zip(r0["accum"], r1["accum"], ref.model.parameters(), strict=True):
-        assert torch.equal(a, b)
-        torch.testing.assert_close(a, want.detach(), rtol=0, atol=1e-5)
+    _same_on_both_and_as_one_process(r0["accum"], r1["accum"], grad_accum_steps=4)
 
 
 def test_a_compiled_ddp_run_trains_what_one_eager_process_trains(two_ranks):
@@ -74,13 +81,7 @@ def test_a_compiled_ddp_run_trains_what_one_eager_process_trains(two_ranks):
     assert r0["compiled_graphs"] >= 1 and r1["compiled_graphs"] >= 1  # dynamo captured it
     # 32 samples, global batch 2 x 2 ranks x 2 micro-steps: 4 steps a epoch, 8 all-reduces
     assert r0["compiled_allreduce_calls"] == r1["compiled_allreduce_calls"] == 8
-    ref = one_process(
-        TrainerConfig(epochs=2, batch_size=4, grad_accum_steps=2, seed=6, log_interval=0),
-        ToyDataset(32),
-    )
-    for a, b, want in zip(r0["compiled"], r1["compiled"], ref.model.parameters(), strict=True):
-        assert torch.equal(a, b)
-        torch.testing.assert_close(a, want.detach(), rtol=0, atol=1e-5)
+    _same_on_both_and_as_one_process(r0["compiled"], r1["compiled"], grad_accum_steps=2)
 
 
 def test_only_rank_zero_logs_and_saves(two_ranks):
