@@ -353,3 +353,25 @@ def test_model_parallel_pretraining_equals_one_process(work, tmp_path):
         wa, wb = (load_file(str(d / "export" / "model.safetensors")) for d in (ref, two))
         assert sorted(wa) == sorted(wb)
         assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5, name
+
+
+@pytest.mark.slow
+def test_compiled_pretraining_trains_what_eager_trains(work, tmp_path, capsys):
+    """``--compile on`` through both phases (the second one's longer sequences compile
+    again) and LANS, dropout off, against the eager run of the same command: the first loss
+    to rounding, the rest to 1e-4; and the run did compile."""
+    base = [*work["base"], "--dropout", "0"]
+    losses = {}
+    for mode in ("off", "on"):
+        out = tmp_path / mode
+        assert work["script"].main([*base, "--compile", mode, "--output_dir", str(out),
+                                    "--run-log", str(out / "run.jsonl")]) == 0  # fmt: skip
+        compiled = "compile: torch.compile (inductor)" in capsys.readouterr().out
+        assert compiled is (mode == "on")
+        steps = [r for r in _records(out / "run.jsonl") if r["kind"] == "step"]
+        losses[mode] = [(r["phase"], r["step"], r["loss"]) for r in steps]
+    eager, compiled = losses["off"], losses["on"]
+    assert [x[:2] for x in eager] == [x[:2] for x in compiled] and len(eager) == 6
+    assert compiled[0][2] == pytest.approx(eager[0][2], rel=1e-5)
+    for (_, _, want), (_, _, got) in zip(eager[1:], compiled[1:], strict=True):
+        assert got == pytest.approx(want, rel=1e-4)
