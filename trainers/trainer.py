@@ -92,7 +92,7 @@ from torch.utils.data import DataLoader, Dataset
 from ._dtensor import is_pipeline_parallel, is_tensor_parallel
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import AverageCombiner, GradCombiner
-from .config import _PRECISIONS, ScheduleConfig, TrainerConfig
+from .config import _PRECISIONS, COMPILE_MODES, ScheduleConfig, TrainerConfig
 from .data import SeededDataset, ShardedSampler, derive_seed
 from .dist import DistEnv
 from .errors import UsageError
@@ -122,8 +122,8 @@ def resolve_compile(
     off on CPU, where eager keeps published logs exactly reproducible and a short run does
     not earn back the compilation.
     """
-    if setting not in ("auto", "on", "off"):
-        raise ValueError(f"compile must be 'auto', 'on' or 'off', got {setting!r}")
+    if setting not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {setting!r}")
     split = "--pipeline-parallel" if pipeline else "--tensor-parallel" if tensor_parallel else None
     if setting == "on" and split is not None:
         raise UsageError(
