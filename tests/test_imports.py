@@ -12,8 +12,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: What trainers may import from modelzoo: the protocol, atomic writes, the C-kernel loader.
-TRAINERS_MAY_IMPORT = {"modelzoo", "modelzoo.family", "modelzoo.fileio", "modelzoo._native"}
+#: What trainers may import from modelzoo: the protocol, atomic writes, the C-kernel loader,
+#: the Triton kernels' switch and tables.
+TRAINERS_MAY_IMPORT = {
+    "modelzoo",
+    "modelzoo.family",
+    "modelzoo.fileio",
+    "modelzoo._native",
+    "modelzoo._triton",
+}
 #: The family packages: generic code never imports them.
 FAMILY_PACKAGES = ("modelzoo.vision", "modelzoo.nlp", "modelzoo.graph", "modelzoo.linear")
 #: Generic modelzoo modules that must not name a family.

@@ -25,6 +25,7 @@ from tests.trainers._trainer_toys import ToyDataset, eval_step, lr_fn, make_mlp,
 from trainers import DistEnv, RunLogger, Trainer, TrainerConfig
 from trainers.comm.adasum import AdasumCombiner, adasum_allreduce_
 from trainers.comm.adasum import allreduce as adasum_module
+from trainers.comm.adasum import gpu as gpu_module
 from trainers.comm.adasum import native as native_module
 
 SHAPES = [(7,), (3, 5), (64, 3, 3, 3), (1,), (1000,), (33, 17), (0,), (4, 1, 1), (20000,)]
@@ -186,18 +187,33 @@ def kernel_paths(rank: int) -> dict:
     level's dot allreduce. The order must not change a bit; the kernels may (summation
     order, float64 rule)."""
     results = {}
+    launches = {"dots": 0, "axpby": 0}
+    seg_dots, seg_axpby = gpu_module.seg_dots_, gpu_module.seg_axpby_
+
+    def counted_dots(*args):
+        launches["dots"] += 1
+        return seg_dots(*args)
+
+    def counted_axpby(*args):
+        launches["axpby"] += 1
+        return seg_axpby(*args)
+
     for name in ("fp64", "fp32", "fp16"):  # bf16 takes fp16's (torch) kernels
         inputs = layout_inputs(rank, LAYOUT_DTYPES[name])
         out = {}
-        for kernels in ("native", "torch", "pieces"):  # pieces: native, 1000-element messages
+        # pieces: native, 1000-element messages; triton: the CUDA kernels, interpreted on CPU
+        for kernels in ("native", "torch", "pieces", "triton"):
             for early in (True, False):
                 saved = (
                     dict(native_loader._LOADED),
                     adasum_module._EARLY_RULE,
                     adasum_module._PIECE,
                 )
-                if kernels == "torch":
+                if kernels in ("torch", "triton"):
                     native_loader._LOADED["adasum"] = None
+                if kernels == "triton":
+                    os.environ["MODELZOO_TRITON"] = "interpret"
+                    gpu_module.seg_dots_, gpu_module.seg_axpby_ = counted_dots, counted_axpby
                 adasum_module._EARLY_RULE = early
                 adasum_module._PIECE = 1000 if kernels == "pieces" else adasum_module._PIECE
                 try:
@@ -206,7 +222,14 @@ def kernel_paths(rank: int) -> dict:
                     loaded, adasum_module._EARLY_RULE, adasum_module._PIECE = saved
                     native_loader._LOADED.clear()
                     native_loader._LOADED.update(loaded)
-        results[name] = {"in": inputs, "out": out, "native": native_module.available(inputs[0])}
+                    os.environ.pop("MODELZOO_TRITON", None)
+                    gpu_module.seg_dots_, gpu_module.seg_axpby_ = seg_dots, seg_axpby
+        results[name] = {
+            "in": inputs,
+            "out": out,
+            "native": native_module.available(inputs[0]),
+            "triton_launches": dict(launches),
+        }
     return results
 
 

@@ -35,6 +35,7 @@ from trainers.comm.adasum import (
 )
 from trainers.comm.adasum import allreduce as adasum_module
 from trainers.comm.adasum import combiners as adasum_combiners
+from trainers.comm.adasum import gpu as adasum_gpu
 from trainers.comm.adasum import kernels as adasum_kernels
 from trainers.comm.adasum import native as adasum_native
 from trainers.comm.adasum.rule import _coefficient_pair, _coefficients
@@ -239,6 +240,46 @@ def test_c_kernels_give_the_documented_bits(dtype):
     for s, (lo, hi) in enumerate(zip(offs, offs[1:], strict=False)):
         want = (p[s] * x64[lo:hi] + q[s] * y64[lo:hi]).astype(x.numpy().dtype)
         assert np.array_equal(z[lo:hi].numpy(), want), s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_cuda_kernels_interpreted_match_numpy(dtype, monkeypatch):
+    """The CUDA (Triton) ``seg_dots_`` and ``seg_axpby_``, run in Triton's interpreter with
+    64-element tiles, against numpy in float64: the dots of exact products summed in another
+    order (so within 1e-13 of the sum of magnitudes), accumulated into rows already holding
+    partial sums; the rule ``p x + q y`` in float64 rounded once as torch rounds a double (to
+    fp16 / bf16 through float32), bit for bit. Spans of every awkward length, one empty."""
+    pytest.importorskip("triton", reason="the Triton kernels' tests need the triton package")
+    monkeypatch.setenv("MODELZOO_TRITON", "interpret")
+    monkeypatch.setattr(adasum_gpu, "BLOCK", 64)
+    assert adasum_gpu.available(torch.zeros(1, dtype=dtype))
+    g = torch.Generator().manual_seed(11)
+    lengths = [1, 15, 16, 17, 0, 33, 64, 65, 1000, 4099]
+    n = sum(lengths)
+    x = (torch.randn(n + 1, generator=g, dtype=torch.float64) * 3).to(dtype)[1:]
+    y = (torch.randn(n + 2, generator=g, dtype=torch.float64) * 1e-3).to(dtype)[2:]
+    offs = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    before = torch.randn(len(lengths), 3, generator=g, dtype=torch.float64)
+    out = before.clone()
+    adasum_gpu.seg_dots_(x, y, offs, out)
+    x64, y64 = x.double().numpy(), y.double().numpy()
+    for s, (lo, hi) in enumerate(zip(offs, offs[1:], strict=False)):
+        u, v = x64[lo:hi], y64[lo:hi]
+        want = before[s].numpy() + np.array([u @ v, u @ u, v @ v])
+        bound = 1e-13 * np.array([np.abs(u * v).sum(), u @ u, v @ v]) + 1e-300
+        assert (np.abs(out[s].numpy() - want) <= bound).all(), (s, out[s], want)
+    p = torch.randn(len(lengths), generator=g, dtype=torch.float64).tolist()
+    q = torch.randn(len(lengths), generator=g, dtype=torch.float64).tolist()
+    z = x.clone()
+    adasum_gpu.seg_axpby_(z, y, offs, p, q)
+    for s, (lo, hi) in enumerate(zip(offs, offs[1:], strict=False)):
+        want = torch.from_numpy(p[s] * x64[lo:hi] + q[s] * y64[lo:hi]).to(dtype)
+        assert torch.equal(z[lo:hi], want), s
+    # exact ties (1 + eps / 2, between 1 and 1 + eps) round to the even neighbour, 1
+    ones = torch.ones(8, dtype=dtype)
+    half_eps = torch.finfo(dtype).eps / 2
+    adasum_gpu.seg_axpby_(ones, torch.zeros_like(ones), [0, 8], [1.0 + half_eps], [0.0])
+    assert torch.equal(ones, torch.ones(8, dtype=dtype))
 
 
 def test_scalar_coefficients_are_the_tensor_rule_bit_for_bit():
@@ -538,23 +579,27 @@ def test_in_place_layout_matches_the_numpy_tree_and_the_packed_buffer(ranks, wor
 @pytest.mark.parametrize("world", [3, 4])
 @pytest.mark.parametrize("dtype", ["fp64", "fp32", "fp16"])
 def test_kernel_paths_and_the_early_rule(ranks, world, dtype):
-    """The C kernels and the torch kernels both match the numpy tree (and each other to the
-    last bits); combining a rank's own tensors as their dots complete gives exactly the bits
-    of combining everything after the level's dot allreduce, also in 1000-element messages."""
+    """The C kernels, the torch kernels and the CUDA (Triton) kernels, interpreted here, all
+    match the numpy tree (and each other to the last bits); combining a rank's own tensors as
+    their dots complete gives exactly the bits of combining everything after the level's dot
+    allreduce, also in 1000-element messages."""
     per_rank = [r["kernels"][dtype] for r in ranks[world]]
     if dtype in ("fp64", "fp32"):
         assert per_rank[0]["native"], "the C kernels did not build on this machine"
-    for kernels in ("native", "torch", "pieces"):
+    launches = per_rank[0]["triton_launches"]
+    assert launches["dots"] > 0 and launches["axpby"] > 0, "the Triton kernels did not run"
+    for kernels in ("native", "torch", "pieces", "triton"):
         for early in (True, False):
             check_parity([{"in": r["in"], "out": r["out"][kernels, early]} for r in per_rank],
                          np_tree, dtype)  # fmt: skip
         for got, want in zip(per_rank[0]["out"][kernels, True], per_rank[0]["out"][kernels, False],
                              strict=True):  # fmt: skip
             assert torch.equal(got, want), kernels
-    for got, want in zip(per_rank[0]["out"]["native", True], per_rank[0]["out"]["torch", True],
-                         strict=True):  # fmt: skip
-        scale = float(want.double().abs().max()) or 1.0
-        assert float((got.double() - want.double()).abs().max()) <= 4 * EPS[dtype] * scale
+    for other in ("torch", "triton"):
+        for got, want in zip(per_rank[0]["out"]["native", True], per_rank[0]["out"][other, True],
+                             strict=True):  # fmt: skip
+            scale = float(want.double().abs().max()) or 1.0
+            assert float((got.double() - want.double()).abs().max()) <= 4 * EPS[dtype] * scale
 
 
 @pytest.mark.dist

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from . import _native
+from . import _native, _triton
 from ._multi_tensor import (
     Bucket,
     LayerwiseAdaptiveOptimizer,
@@ -170,7 +170,6 @@ class Lamb(LayerwiseAdaptiveOptimizer):
         wd = self._weight_decay(group)
         deepspeed = group["variant"] == "deepspeed"
         w, m, v = bucket.weights, bucket.exp_avgs, bucket.exp_avg_sqs
-        work = self._scratch(bucket, 0)
         g = bucket.grads
         # Bias correction folded into two scalars: with bc_i = 1 - beta_i ** t,
         #   m^ / (sqrt(v^) + eps) = s * m / (sqrt(v) + eps * sqrt(bc2)),  s = sqrt(bc2) / bc1,
@@ -183,8 +182,28 @@ class Lamb(LayerwiseAdaptiveOptimizer):
         s = bc2_sqrt / bc1
         eps_denom = eps if deepspeed else eps * bc2_sqrt
         alpha = 0.0 if wd == 0.0 else (wd if deepspeed else wd / s)
-        update = work  # u = m / denom + alpha * w, built in the work buffer
+        adapts = deepspeed or self._adapts(group, decays=wd != 0.0 or group["always_adapt"])
 
+        if bucket.group is None and _triton.available(g, w, m, v):  # CUDA: two launches
+            scale = None if clip is None else torch.reciprocal(clip)
+            passes = dict(eps=eps_denom, alpha_m=alpha, scale=scale)
+            sums = _triton.moments_(g, m, v, w, beta1=beta1, beta2=beta2, norms=adapts, **passes)
+            if sums is None:
+                coef = torch.full((1,), -lr * s, device=w[0].device)
+            else:
+                weight_norm, update_norm = sums[:, 0].sqrt(), sums[:, 1].sqrt()
+                if not deepspeed:
+                    update_norm.mul_(s)
+                coef = trust_ratio(
+                    weight_norm,
+                    update_norm,
+                    weight_norm_clamp=group["weight_norm_clamp"],
+                    trust_clamp=group["trust_clamp"],
+                ).mul_(-lr * s)
+            _triton.apply_(g, m, v, w, coef, **passes)
+            return
+        work = self._scratch(bucket, 0)
+        update = work  # u = m / denom + alpha * w, built in the work buffer
         if _native.available(g, w, m, v, work):  # the same bits in two passes (see _native)
             scale = None if clip is None else torch.reciprocal(clip)
             _native.moments_(g, m, v, beta1=beta1, beta2=beta2, scale=scale)
@@ -209,7 +228,7 @@ class Lamb(LayerwiseAdaptiveOptimizer):
             if alpha != 0.0:
                 torch._foreach_add_(update, w, alpha=alpha)
 
-        if deepspeed or self._adapts(group, decays=wd != 0.0 or group["always_adapt"]):
+        if adapts:
             weight_norm = bucket.norms(w)
             update_norm = bucket.norms(update)
             if not deepspeed:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 
-from . import _native
+from . import _native, _triton
 from ._multi_tensor import (
     Bucket,
     LayerwiseAdaptiveOptimizer,
@@ -161,14 +161,33 @@ class Lans(LayerwiseAdaptiveOptimizer):
         else:
             bc1, bc2_sqrt = 1.0, 1.0
         sm, sc = bc2_sqrt / bc1, bc2_sqrt
-        # g^ in place when the gradients are the optimizer's own copies, else in a work buffer
-        g = bucket.grads if bucket.grads_owned else self._scratch(bucket, 0)
-        update_m = self._scratch(bucket, 1)
-        update_c = g  # g^ is not needed after u_c
         alpha_m = 0.0 if wd == 0.0 else wd / sm
         alpha_c = 0.0 if wd == 0.0 else wd / sc
         # MXNet's lans.py (sequential) adds u_c's weight decay after w has moved by u_m
         alpha_c_now = 0.0 if sequential else alpha_c
+        adapts = self._adapts(group, decays=True)
+        bounds = dict(
+            weight_norm_clamp=group["weight_norm_clamp"], trust_clamp=group["trust_clamp"]
+        )
+        like = dict(device=grad_norm.device, dtype=grad_norm.dtype)  # fp64 for fp64 params
+        coef_m = torch.full((len(w),), -lr * beta1 * sm, **like)
+        coef_c = torch.full((len(w),), -lr * (1.0 - beta1) * sc, **like)
+
+        if not sequential and bucket.group is None and _triton.available(bucket.grads, w, m, v):
+            passes = dict(eps=eps * bc2_sqrt, alpha_m=alpha_m, scale=inv_norm, alpha_c=alpha_c)
+            sums = _triton.moments_(
+                bucket.grads, m, v, w, beta1=beta1, beta2=beta2, lans=True, norms=adapts, **passes
+            )  # CUDA: two launches (see _triton)
+            if sums is not None:
+                weight_norm = sums[:, 0].sqrt()
+                coef_m.mul_(trust_ratio(weight_norm, sums[:, 1].sqrt().mul_(sm), **bounds))
+                coef_c.mul_(trust_ratio(weight_norm, sums[:, 2].sqrt().mul_(sc), **bounds))
+            _triton.apply_(bucket.grads, m, v, w, coef_m, coef_c=coef_c, **passes)
+            return
+        # g^ in place when the gradients are the optimizer's own copies, else in a work buffer
+        g = bucket.grads if bucket.grads_owned else self._scratch(bucket, 0)
+        update_m = self._scratch(bucket, 1)
+        update_c = g  # g^ is not needed after u_c
 
         native = _native.available(bucket.grads, g, w, m, v, update_m)
         if native:  # the same bits in fewer passes (see _native)
@@ -196,14 +215,7 @@ class Lans(LayerwiseAdaptiveOptimizer):
             if alpha_c_now != 0.0:
                 torch._foreach_add_(update_c, w, alpha=alpha_c_now)
 
-        adapts = self._adapts(group, decays=True)
-        bounds = dict(
-            weight_norm_clamp=group["weight_norm_clamp"], trust_clamp=group["trust_clamp"]
-        )
         weight_norm = bucket.norms(w) if adapts else None  # ||w|| before the step, for both terms
-        like = dict(device=grad_norm.device, dtype=grad_norm.dtype)  # fp64 for fp64 params
-        coef_m = torch.full((len(w),), -lr * beta1 * sm, **like)
-        coef_c = torch.full((len(w),), -lr * (1.0 - beta1) * sc, **like)
         if adapts:
             coef_m.mul_(trust_ratio(weight_norm, bucket.norms(update_m).mul_(sm), **bounds))
         if sequential:  # MXNet's lans.py: u_c's weight decay sees the weight moved by u_m

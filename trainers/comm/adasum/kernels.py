@@ -1,8 +1,10 @@
 """Adasum's kernels on one rank's slice of a fused buffer: per-tensor dots and a*x + b*y.
 
-Dots and norms accumulate in float64 (products of the widened values, so exact for fp32,
-fp16 and bf16): on CPU, long spans in one fused pass (a kernel TorchInductor compiles on
-first use), others chunk by chunk (cache-sized) with BLAS, the short segments of many small
+A slice goes through the C kernels on CPU (:mod:`.native`) and the Triton kernels on CUDA
+(:mod:`.gpu`), one call for all its spans; the torch kernels below are the fallback. Dots
+and norms accumulate in float64 (products of the widened values, so exact for fp32, fp16
+and bf16): on CPU, long spans in one fused pass (a kernel TorchInductor compiles on first
+use), others chunk by chunk (cache-sized) with BLAS, the short segments of many small
 tensors together in vectorized runs.
 """
 
@@ -16,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from . import native
+from . import gpu, native
 
 _SMALL = 4096  # segments shorter than this are reduced together, vectorized
 _RUN = 1 << 18  # at most this many elements of small segments per vectorized pass
@@ -219,10 +221,11 @@ def _accumulate_dots(
     ``a`` is this rank's data on the global range [lo, lo + len(a)), ``b`` the partner's;
     ``left``: ``a`` belongs to the lower-numbered side of the pair.
     """
-    if native.available(a):  # one C call; the right side swaps x and y
+    fused = native if native.available(a) else gpu if gpu.available(a) else None
+    if fused is not None:  # one call (C on CPU, a Triton launch on CUDA); right swaps x, y
         t0, offs = _offsets(bounds, lo, lo + a.numel())
         x, y = (a, b) if left else (b, a)
-        native.seg_dots_(x, y, offs, part[t0 : t0 + len(offs) - 1])
+        fused.seg_dots_(x, y, offs, part[t0 : t0 + len(offs) - 1])
         return
     ids, spans = _spans(bounds, lo, lo + a.numel())
     if spans:
@@ -236,10 +239,11 @@ def _apply_(
     a: Tensor, b: Tensor, lo: int, bounds: Sequence[int], mine: list[float], other: list[float]
 ) -> None:
     """``a = mine[t] a + other[t] b`` for every tensor ``t`` meeting [lo, lo + len(a))."""
-    if native.available(a):
+    fused = native if native.available(a) else gpu if gpu.available(a) else None
+    if fused is not None:
         t0, offs = _offsets(bounds, lo, lo + a.numel())
         t1 = t0 + len(offs) - 1
-        native.seg_axpby_(a, b, offs, mine[t0:t1], other[t0:t1])
+        fused.seg_axpby_(a, b, offs, mine[t0:t1], other[t0:t1])
         return
     ids, spans = _spans(bounds, lo, lo + a.numel())
     if spans:
