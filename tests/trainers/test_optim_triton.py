@@ -297,3 +297,55 @@ def test_cuda_step_runs_the_kernels_without_synchronizing(monkeypatch):
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert len(calls) == 3
+
+
+# ---- the compiled kernels, built for NVIDIA GPUs without one ----------------------------------
+_PTR, _I32, _F32 = "*i64", "i32", "fp32"
+_OPTIM_ARGS = dict(
+    g_addr=_PTR, m_addr=_PTR, v_addr=_PTR, w_addr=_PTR, sizes=_PTR, tile_tensor="*i32",
+    tile_start=_PTR, scale="*fp32", scale_stride=_I32, partial="*fp32", coef_m="*fp32",
+    coef_c="*fp32", coef_stride=_I32, one_minus_beta1=_F32, beta2=_F32, one_minus_beta2=_F32,
+    eps=_F32, alpha_m=_F32, alpha_c=_F32,
+)  # fmt: skip
+
+
+def _kernel_builds():
+    """(name, function, argument types, constants) of every kernel variant the code launches."""
+    from trainers.comm.adasum import _gpu_kernels as adasum_kernels
+    from trainers.optim import _triton_kernels as optim_kernels
+
+    for lans in (False, True):
+        for scaled in (False, True):
+            for norms in (False, True):
+                consts = dict(SCALED=scaled, NORMS=norms, LANS=lans, BLOCK=optim_triton.BLOCK)
+                yield "moments", optim_kernels.moments, _OPTIM_ARGS, consts
+            consts = dict(SCALED=scaled, LANS=lans, BLOCK=optim_triton.BLOCK)
+            yield "apply", optim_kernels.apply, _OPTIM_ARGS, consts
+    for dtype in ("fp32", "fp64", "fp16", "bf16"):
+        spans = dict(x=f"*{dtype}", y=f"*{dtype}", base=_PTR, sizes=_PTR, tile_tensor="*i32",
+                     tile_start=_PTR, partial="*fp64", p="*fp64", q="*fp64")  # fmt: skip
+        yield f"seg_dots {dtype}", adasum_kernels.seg_dots, spans, dict(BLOCK=4096)
+        yield f"seg_axpby {dtype}", adasum_kernels.seg_axpby, spans, dict(BLOCK=4096)
+
+
+@pytest.mark.parametrize("capability", [80, 90], ids=["sm80-a100", "sm90-h100-h200"])
+def test_the_kernels_compile_for_nvidia_gpus(capability):
+    """Every variant of the LAMB/LANS and Adasum kernels through Triton's real compiler (not
+    the interpreter) down to a cubin for A100 and H100/H200, with no GPU: Triton's NVIDIA
+    backend and its bundled ptxas do not need one. What only a GPU can show (speed, and the
+    results of the compiled code) is left to benchmarks/gpu_check.py."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton build has no NVIDIA backend")
+    target = GPUTarget("cuda", capability, 32)
+    built = 0
+    for name, fn, types, consts in _kernel_builds():
+        kernel = triton.jit(fn)
+        signature = {a: "constexpr" if a in consts else types[a] for a in kernel.arg_names}
+        compiled = triton.compile(ASTSource(kernel, signature, consts), target=target)
+        assert len(compiled.asm["cubin"]) > 1000, name
+        built += 1
+    assert built == 20
