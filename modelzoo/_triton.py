@@ -32,11 +32,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["SWITCH", "Tiles", "addresses", "int64_table", "jit", "mode", "tiles", "usable"]
+__all__ = [
+    "SWITCH",
+    "Tiles",
+    "Unavailable",
+    "addresses",
+    "disable",
+    "int64_table",
+    "jit",
+    "mode",
+    "tiles",
+    "usable",
+]
 
 SWITCH = "MODELZOO_TRITON"
 _MODES = ("1", "0", "interpret")
 _WARNED: set[str] = set()
+_DISABLED: set[str] = set()
 
 
 def mode() -> str:
@@ -61,12 +73,18 @@ def _importable() -> bool:
     return True
 
 
+class Unavailable(RuntimeError):
+    """A kernel could not be built here (raised once, after :func:`disable`'s warning); the
+    caller takes its torch path, which nothing has touched yet."""
+
+
 def usable(device: torch.device, what: str) -> bool:
     """Whether the Triton kernels run on ``device``: CUDA by default, CPU under
-    ``interpret``. ``what`` names the kernels in the one warning when CUDA lacks Triton."""
+    ``interpret``, and not after :func:`disable`. ``what`` names the kernels in the one
+    warning when CUDA lacks Triton."""
     current = mode()
     wanted = {"1": "cuda", "interpret": "cpu"}.get(current)
-    if device.type != wanted:
+    if device.type != wanted or what in _DISABLED:
         return False
     if _importable():
         return True
@@ -80,6 +98,20 @@ def usable(device: torch.device, what: str) -> bool:
             stacklevel=3,
         )
     return False
+
+
+def disable(what: str, err: BaseException) -> Unavailable:
+    """Turn ``what`` off for this process after its kernel failed to build (an unsupported
+    GPU, a Triton release the kernels do not compile with, ...), with one warning; returns
+    the :class:`Unavailable` for the caller to raise."""
+    _DISABLED.add(what)
+    warnings.warn(
+        f"{what}: the Triton kernel could not be built ({type(err).__name__}: "
+        f"{str(err)[:300]}); using the torch kernels for the rest of this process",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return Unavailable(what)
 
 
 def jit(fn: Callable[..., None]) -> Any:

@@ -282,6 +282,47 @@ def test_cuda_kernels_interpreted_match_numpy(dtype, monkeypatch):
     assert torch.equal(ones, torch.ones(8, dtype=dtype))
 
 
+def test_cuda_kernels_that_cannot_be_built_fall_back_to_torch(monkeypatch):
+    """A Triton kernel whose build fails (an unsupported GPU, ...) warns once and leaves the
+    dots and the rule to the torch kernels: the same results as with Triton switched off."""
+    pytest.importorskip("triton", reason="the Triton kernels' tests need the triton package")
+    from types import SimpleNamespace
+
+    from modelzoo import _triton
+
+    class Unbuildable:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("no kernel image is available for this device")
+
+            return launch
+
+    monkeypatch.setattr(adasum_native, "available", lambda x: False)
+    monkeypatch.setattr(_triton, "_DISABLED", set())
+    monkeypatch.setattr(
+        adasum_gpu,
+        "_kernels",
+        lambda mode: SimpleNamespace(dots=Unbuildable(), axpby=Unbuildable()),
+    )
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(5000, generator=g), torch.randn(5000, generator=g)
+    bounds = [0, 10, 3000, 5000]
+
+    def run(switch: str) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setenv("MODELZOO_TRITON", switch)
+        part = torch.zeros(3, 3, dtype=torch.float64)
+        adasum_kernels._accumulate_dots(a, b, 0, bounds, True, part)
+        x = a.clone()
+        adasum_kernels._apply_(x, b, 0, bounds, [0.5, 0.25, 2.0], [1.0, -1.0, 0.5])
+        return part, x
+
+    with pytest.warns(RuntimeWarning, match="could not be built.*no kernel image"):
+        fell_back = run("interpret")
+    assert not adasum_gpu.available(a)  # off for the rest of the process
+    want = run("0")
+    assert torch.equal(fell_back[0], want[0]) and torch.equal(fell_back[1], want[1])
+
+
 def test_scalar_coefficients_are_the_tensor_rule_bit_for_bit():
     """The allreduce computes its coefficients in Python floats (no tensor ops per level):
     the same bits as the tensor rule, over magnitudes from 1e-170 to 1e150 (overflow to

@@ -238,6 +238,40 @@ def test_mixed_layouts_keep_the_torch_path(launches):
     assert launches == []
 
 
+class _Unbuildable:
+    """A kernel whose build fails, as Triton's compiler fails on an unsupported GPU."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise RuntimeError("PTX .version 9.9 does not support .target sm_30")
+
+        return launch
+
+
+@pytest.mark.parametrize("cls", [Lamb, Lans])
+def test_a_kernel_that_cannot_be_built_falls_back_to_torch_once(cls, monkeypatch):
+    """The first pass failing to build warns once, leaves the state untouched, and the step
+    (and every later one) runs on the torch path: the same weights as the torch path's."""
+    monkeypatch.setenv(_triton.SWITCH, "interpret")
+    monkeypatch.setattr(_triton, "_DISABLED", set())
+    broken = SimpleNamespace(moments=_Unbuildable(), apply=_Unbuildable())
+    monkeypatch.setattr(optim_triton, "_kernels", lambda mode: broken)
+    params, grads = _problem(4)
+    with pytest.warns(RuntimeWarning, match="could not be built.*sm_30.*torch kernels"):
+        _steps(lambda ps: cls(ps, lr=0.01), params, grads[:1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = cls(params, lr=0.01)
+        _steps(lambda ps: opt, params, grads[1:])
+    _torch_path(monkeypatch)
+    ref_params, _ = _problem(4)
+    _steps(lambda ps: cls(ps, lr=0.01), ref_params, grads[:1])
+    ref = cls(ref_params, lr=0.01)
+    _steps(lambda ps: ref, ref_params, grads[1:])
+    for p, q in zip(params, ref_params, strict=True):
+        assert torch.equal(p, q)
+
+
 # ---- the switch and the tables ----------------------------------------------------------------
 def test_switch_values(monkeypatch):
     monkeypatch.setenv(_triton.SWITCH, "yes")

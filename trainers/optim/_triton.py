@@ -36,6 +36,7 @@ from ._native import _dense
 __all__ = ["BLOCK", "apply_", "available", "moments_"]
 
 BLOCK = 2048  # elements per tile (a program)
+WHAT = "LAMB's and LANS's fused passes"
 
 
 def available(*lists: Sequence[Tensor]) -> bool:
@@ -57,7 +58,7 @@ def available(*lists: Sequence[Tensor]) -> bool:
                 or t.stride() != t0.stride()
             ):
                 return False
-    return _triton.usable(device, "LAMB's and LANS's fused passes")
+    return _triton.usable(device, WHAT)
 
 
 @functools.cache
@@ -95,20 +96,28 @@ def moments_(
 ) -> Tensor | None:
     """Update the moments in place (``g' = scale_k g``; ``g`` is not written) and, with
     ``norms``, return the float32 ``(N, 3)`` per-tensor sums ``(|w|^2, |u_m|^2, |u_c|^2)``
-    (the third 0 unless ``lans``). ``scale``: one value or one per tensor, on the device."""
+    (the third 0 unless ``lans``). ``scale``: one value or one per tensor, on the device.
+
+    Raises:
+        modelzoo._triton.Unavailable: the kernel could not be built (warned once; nothing
+            was written, and the caller takes the torch path from then on).
+    """
     n = len(grads)
     device = grads[0].device
     block = block or BLOCK
     table = _triton.tiles([t.numel() for t in grads], block, device)
     scale_t, stride, scaled = _scale(scale, n, device)
     partial = torch.zeros(table.n, 3, dtype=torch.float32, device=device)
-    _kernels(_triton.mode()).moments[(table.n,)](
-        _triton.addresses(grads), _triton.addresses(exp_avgs), _triton.addresses(exp_avg_sqs),
-        _triton.addresses(weights), table.sizes, table.tensor, table.start,
-        scale_t, stride, partial,
-        1.0 - beta1, beta2, 1.0 - beta2, eps, alpha_m, alpha_c,
-        SCALED=scaled, NORMS=norms, LANS=lans, BLOCK=block,
-    )  # fmt: skip
+    try:  # the first pass of a step: a kernel that cannot be built leaves the state as it was
+        _kernels(_triton.mode()).moments[(table.n,)](
+            _triton.addresses(grads), _triton.addresses(exp_avgs),
+            _triton.addresses(exp_avg_sqs), _triton.addresses(weights), table.sizes,
+            table.tensor, table.start, scale_t, stride, partial,
+            1.0 - beta1, beta2, 1.0 - beta2, eps, alpha_m, alpha_c,
+            SCALED=scaled, NORMS=norms, LANS=lans, BLOCK=block,
+        )  # fmt: skip
+    except Exception as err:  # noqa: BLE001 - whatever the compiler lacks: the torch path
+        raise _triton.disable(WHAT, err) from err
     if not norms:
         return None
     # unsafe: the lengths are the tile table's own (checking them would wait for the device)

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import torch
 
+from modelzoo._triton import Unavailable
+
 from . import _native, _triton
 from ._multi_tensor import (
     Bucket,
@@ -187,21 +189,27 @@ class Lamb(LayerwiseAdaptiveOptimizer):
         if bucket.group is None and _triton.available(g, w, m, v):  # CUDA: two launches
             scale = None if clip is None else torch.reciprocal(clip)
             passes = dict(eps=eps_denom, alpha_m=alpha, scale=scale)
-            sums = _triton.moments_(g, m, v, w, beta1=beta1, beta2=beta2, norms=adapts, **passes)
-            if sums is None:
-                coef = torch.full((1,), -lr * s, device=w[0].device)
+            try:
+                sums = _triton.moments_(
+                    g, m, v, w, beta1=beta1, beta2=beta2, norms=adapts, **passes
+                )
+            except Unavailable:  # warned once; the torch path below, on the untouched state
+                pass
             else:
-                weight_norm, update_norm = sums[:, 0].sqrt(), sums[:, 1].sqrt()
-                if not deepspeed:
-                    update_norm.mul_(s)
-                coef = trust_ratio(
-                    weight_norm,
-                    update_norm,
-                    weight_norm_clamp=group["weight_norm_clamp"],
-                    trust_clamp=group["trust_clamp"],
-                ).mul_(-lr * s)
-            _triton.apply_(g, m, v, w, coef, **passes)
-            return
+                if sums is None:
+                    coef = torch.full((1,), -lr * s, device=w[0].device)
+                else:
+                    weight_norm, update_norm = sums[:, 0].sqrt(), sums[:, 1].sqrt()
+                    if not deepspeed:
+                        update_norm.mul_(s)
+                    coef = trust_ratio(
+                        weight_norm,
+                        update_norm,
+                        weight_norm_clamp=group["weight_norm_clamp"],
+                        trust_clamp=group["trust_clamp"],
+                    ).mul_(-lr * s)
+                _triton.apply_(g, m, v, w, coef, **passes)
+                return
         work = self._scratch(bucket, 0)
         update = work  # u = m / denom + alpha * w, built in the work buffer
         if _native.available(g, w, m, v, work):  # the same bits in two passes (see _native)

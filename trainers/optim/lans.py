@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import torch
 
+from modelzoo._triton import Unavailable
+
 from . import _native, _triton
 from ._multi_tensor import (
     Bucket,
@@ -175,15 +177,20 @@ class Lans(LayerwiseAdaptiveOptimizer):
 
         if not sequential and bucket.group is None and _triton.available(bucket.grads, w, m, v):
             passes = dict(eps=eps * bc2_sqrt, alpha_m=alpha_m, scale=inv_norm, alpha_c=alpha_c)
-            sums = _triton.moments_(
-                bucket.grads, m, v, w, beta1=beta1, beta2=beta2, lans=True, norms=adapts, **passes
-            )  # CUDA: two launches (see _triton)
-            if sums is not None:
-                weight_norm = sums[:, 0].sqrt()
-                coef_m.mul_(trust_ratio(weight_norm, sums[:, 1].sqrt().mul_(sm), **bounds))
-                coef_c.mul_(trust_ratio(weight_norm, sums[:, 2].sqrt().mul_(sc), **bounds))
-            _triton.apply_(bucket.grads, m, v, w, coef_m, coef_c=coef_c, **passes)
-            return
+            try:  # CUDA: two launches (see _triton)
+                sums = _triton.moments_(
+                    bucket.grads, m, v, w, beta1=beta1, beta2=beta2, lans=True, norms=adapts,
+                    **passes,
+                )  # fmt: skip
+            except Unavailable:  # warned once; the torch path below, on the untouched state
+                pass
+            else:
+                if sums is not None:
+                    weight_norm = sums[:, 0].sqrt()
+                    coef_m.mul_(trust_ratio(weight_norm, sums[:, 1].sqrt().mul_(sm), **bounds))
+                    coef_c.mul_(trust_ratio(weight_norm, sums[:, 2].sqrt().mul_(sc), **bounds))
+                _triton.apply_(bucket.grads, m, v, w, coef_m, coef_c=coef_c, **passes)
+                return
         # g^ in place when the gradients are the optimizer's own copies, else in a work buffer
         g = bucket.grads if bucket.grads_owned else self._scratch(bucket, 0)
         update_m = self._scratch(bucket, 1)

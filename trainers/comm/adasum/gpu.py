@@ -13,6 +13,8 @@ over all spans of a slice (tiles as in :mod:`modelzoo._triton`):
   ``x``'s dtype (as the C kernels and Horovod do).
 
 float32, float64, float16 and bfloat16 on CUDA (CPU under ``MODELZOO_TRITON=interpret``).
+A kernel that cannot be built raises :class:`modelzoo._triton.Unavailable` (warned once,
+nothing written) and the callers use the torch kernels from then on.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from modelzoo import _triton
 __all__ = ["BLOCK", "available", "seg_axpby_", "seg_dots_"]
 
 BLOCK = 4096  # elements per tile (a program)
+WHAT = "Adasum's fused kernels"
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def available(x: Tensor) -> bool:
     """True when ``x`` (and its partner of the same kind) can go through these kernels."""
-    return x.dtype in _DTYPES and _triton.usable(x.device, "Adasum's fused kernels")
+    return x.dtype in _DTYPES and _triton.usable(x.device, WHAT)
 
 
 @functools.cache
@@ -61,9 +64,12 @@ def seg_dots_(x: Tensor, y: Tensor, offs: Sequence[int], out: Tensor) -> None:
         return
     table, base = _spans(offs, x.device)
     partial = torch.empty(table.n, 3, dtype=torch.float64, device=x.device)
-    _kernels(_triton.mode()).dots[(table.n,)](
-        x, y, base, table.sizes, table.tensor, table.start, partial, BLOCK=BLOCK
-    )
+    try:
+        _kernels(_triton.mode()).dots[(table.n,)](
+            x, y, base, table.sizes, table.tensor, table.start, partial, BLOCK=BLOCK
+        )
+    except Exception as err:  # noqa: BLE001 - a kernel that cannot be built: the torch path
+        raise _triton.disable(WHAT, err) from err
     # unsafe: the lengths are the tile table's own (checking them would wait for the device)
     out.add_(torch.segment_reduce(partial, "sum", lengths=table.count, axis=0, unsafe=True))
 
@@ -82,6 +88,9 @@ def seg_axpby_(
     coef = torch.tensor([*p, *q], dtype=torch.float64)
     if x.device.type != "cpu":
         coef = coef.pin_memory().to(x.device, non_blocking=True)
-    _kernels(_triton.mode()).axpby[(table.n,)](
-        x, y, base, table.sizes, table.tensor, table.start, coef[:k], coef[k:], BLOCK=BLOCK
-    )
+    try:
+        _kernels(_triton.mode()).axpby[(table.n,)](
+            x, y, base, table.sizes, table.tensor, table.start, coef[:k], coef[k:], BLOCK=BLOCK
+        )
+    except Exception as err:  # noqa: BLE001 - a kernel that cannot be built: the torch path
+        raise _triton.disable(WHAT, err) from err

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from modelzoo._triton import Unavailable
+
 from . import gpu, native
 
 _SMALL = 4096  # segments shorter than this are reduced together, vectorized
@@ -225,8 +227,11 @@ def _accumulate_dots(
     if fused is not None:  # one call (C on CPU, a Triton launch on CUDA); right swaps x, y
         t0, offs = _offsets(bounds, lo, lo + a.numel())
         x, y = (a, b) if left else (b, a)
-        fused.seg_dots_(x, y, offs, part[t0 : t0 + len(offs) - 1])
-        return
+        try:
+            fused.seg_dots_(x, y, offs, part[t0 : t0 + len(offs) - 1])
+            return
+        except Unavailable:  # warned once; the torch kernels below
+            pass
     ids, spans = _spans(bounds, lo, lo + a.numel())
     if spans:
         dots = _segment_dots(a, b, spans)  # (a.b, a.a, b.b)
@@ -243,8 +248,11 @@ def _apply_(
     if fused is not None:
         t0, offs = _offsets(bounds, lo, lo + a.numel())
         t1 = t0 + len(offs) - 1
-        fused.seg_axpby_(a, b, offs, mine[t0:t1], other[t0:t1])
-        return
+        try:
+            fused.seg_axpby_(a, b, offs, mine[t0:t1], other[t0:t1])
+            return
+        except Unavailable:  # warned once; the torch kernels below
+            pass
     ids, spans = _spans(bounds, lo, lo + a.numel())
     if spans:
         _segment_axpby_(a, b, spans, [mine[i] for i in ids], [other[i] for i in ids])
