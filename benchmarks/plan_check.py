@@ -5,8 +5,9 @@ For each world size (default 2 and 4 processes on 127.0.0.1, one thread each) an
 
 1. the loopback link is calibrated: an all-reduce of one float gives the per-message cost
    ``a`` of ``T = 2 (N-1)/N S / B + 2 (N-1) a`` (median of 25) and one of 16 MiB the
-   bandwidth ``B`` (median of 9), and so a one-level network ``"N:gbps:latency"`` for the
-   planner;
+   bandwidth ``B`` (median of 9), and (``--link curve``, the default) all-reduces of 64 KiB
+   to 4 MiB a ring step's time at each chunk size between them, and so a one-level network
+   ``"N:gbps:latency[:CHUNK@SECONDS/...]"`` for the planner;
 2. every rank profiles the same small BERT (span QA, ``trainers.parallel.plan.profile_model``)
    at the same time, so the profile sees the same number of processes per core as the run
    (4 processes on this machine's 2 cores: each gets about half a core) and the same
@@ -125,12 +126,20 @@ def batch(args: argparse.Namespace, n: int, seed: int) -> tuple[tuple[torch.Tens
     return (ids, types, mask), spans
 
 
-def calibrate(world: int) -> tuple[float, float]:
-    """``(gbps, latency_s)`` of this world's all-reduce under the ring formula ``T = 2 (N-1)/N
-    S / B + 2 (N-1) a``: ``a`` from an all-reduce of one float (the formula's bytes term is
-    nothing there), ``B`` from 16 MiB less that latency. Medians of 25 and 9 calls, slowest
-    rank. (The latency was the residual of a 1 MiB and a 16 MiB fit before, which swung from
-    0 to 4.6 ms per message between runs of one hour.)"""
+#: all-reduce sizes (bytes) of the measured link curve (``--link curve``): around the plans'
+#: messages (tensor parallelism's 0.5-2 MiB hidden states, 2-21 MB of gradients)
+CURVE_BYTES = (4, 64 * 2**10, 256 * 2**10, 2**20, 2 * 2**20, 4 * 2**20, 16 * 2**20)
+
+
+def calibrate(world: int, curve: bool = False) -> tuple[float, float, str]:
+    """``(gbps, latency_s, hops)`` of this world's all-reduce under the ring formula ``T =
+    2 (N-1)/N S / B + 2 (N-1) a``: ``a`` from an all-reduce of one float (the formula's bytes
+    term is nothing there), ``B`` from 16 MiB less that latency. Medians of 25 and 9 calls,
+    slowest rank. (The latency was the residual of a 1 MiB and a 16 MiB fit before, which
+    swung from 0 to 4.6 ms per message between runs of one hour.) With ``curve``, ``hops``
+    is a ring step's measured time per chunk size (``CHUNK@SECONDS/...``, the network
+    string's fourth field: each all-reduce of :data:`CURVE_BYTES`, ``T / (2 (N-1))`` at
+    ``S / N``); else ``""``."""
 
     def timed(x: torch.Tensor, calls: int) -> float:
         dist.all_reduce(x)  # warm up the connection
@@ -146,10 +155,18 @@ def calibrate(world: int) -> tuple[float, float]:
 
     large = 16 * 2**20  # bytes
     hops = 2 * (world - 1)
-    latency = timed(torch.ones(1), 25) / hops
-    per_byte = max(timed(torch.ones(large // 4), 9) - hops * latency, 1e-12) / large
+    one = timed(torch.ones(1), 25)
+    latency = one / hops
+    big = timed(torch.ones(large // 4), 9)
+    per_byte = max(big - hops * latency, 1e-12) / large
     gbps = 8 * (hops / world) / per_byte / 1e9  # per_byte = 2 (N-1)/N / B
-    return gbps, latency
+    if not curve:
+        return gbps, latency, ""
+    points = []
+    for nbytes in CURVE_BYTES:
+        t = {4: one, large: big}.get(nbytes) or timed(torch.ones(nbytes // 4), 15)
+        points.append(f"{nbytes / world:g}@{t / hops:.6g}")
+    return gbps, latency, "/".join(points)
 
 
 def median_profile(profiles: list[Profile]) -> Profile:
@@ -279,8 +296,8 @@ def measure(rank: int, world: int, args: argparse.Namespace, network: Network | 
     for tp, pp, dp in configs:
         # link and profile just before the run, so that both see the load the run sees
         if network is None:
-            gbps, latency = calibrate(world)
-            net = Network.parse(f"{world}:{gbps:.6g}:{latency:.6g}")
+            gbps, latency, hops = calibrate(world, curve=args.link == "curve")
+            net = Network.parse(f"{world}:{gbps:.6g}:{latency:.6g}" + (f":{hops}" if hops else ""))
         else:
             net = network
         torch.manual_seed(0)
@@ -432,6 +449,10 @@ def main() -> int:
                    default=None, metavar="M[,M...]",
                    help="plan each configuration at each of these micro-batch counts instead "
                    "of the planner's choice (the planner still picks schedule and stages)")  # fmt: skip
+    p.add_argument("--link", choices=("curve", "line"), default="curve",
+                   help="loopback: give the planner the all-reduce's measured time per ring "
+                   "step at several sizes (curve, the default), or only the line through "
+                   "one float and 16 MiB (line, before 2026-12-07)")  # fmt: skip
     p.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:

@@ -238,6 +238,51 @@ def test_allreduce_equals_scaling_whatif_comm_time():
     assert pred.breakdown["stages"][0]["dp_allreduce_s"] == pytest.approx(expected, rel=1e-12)
 
 
+def test_a_measured_hop_curve_prices_the_ring_steps():
+    """A level's measured ring-step times (``CHUNK@SECONDS/...``): a curve sampled from the
+    ring formula's own line gives the formula's all-reduce at every size (interpolated and
+    extrapolated); a bent curve is read at ``S / N`` per step, between and beyond its points;
+    the stage's all-reduce in a plan uses it; the string round-trips and bad curves are
+    refused naming the item."""
+    gbps, latency = 10.0, 1e-4
+    line = [(c, c / (gbps * 1e9 / 8) + latency) for c in (1.0, 1e4, 1e6, 4e6)]
+    text = "4:10:0.0001:" + "/".join(f"{c:g}@{t!r}" for c, t in line)
+    level = Network.parse(text).levels[0]
+    for n in (2, 3, 4):
+        for size in (4.0, 3e4, 2e6, 1e8):  # below, between and beyond the chunks
+            want = planner.allreduce_time(size, n, gbps, latency)
+            if size / n < 1.0:  # below the first chunk: its time (no negative bytes)
+                want = 2 * (n - 1) * line[0][1]
+            assert level.allreduce_time(size, n) == pytest.approx(want, rel=1e-9)
+    bent = Network.parse("4:10:0.0001:0@0.001/1000@0.002/3000@0.010").levels[0]
+    assert bent.hop_time(500.0) == pytest.approx(0.0015)
+    assert bent.hop_time(2000.0) == pytest.approx(0.006)
+    assert bent.hop_time(5000.0) == pytest.approx(0.018)  # the last slope, 4 us per byte
+    assert bent.allreduce_time(8000.0, 4) == pytest.approx(6 * 0.006)
+    assert bent.allreduce_time(8000.0, 1) == 0.0
+    assert str(Network.parse(str(Network((bent,))))) == str(Network((bent,)))
+    faster = Network((bent,)).scaled(0, gbps=2.0, latency=0.5).levels[0]
+    for chunk in (0.0, 500.0, 3000.0, 9000.0):
+        assert faster.hop_time(chunk) < bent.hop_time(chunk)
+    # in a plan: the data-parallel all-reduce of the stage's gradients
+    rng = random.Random(0)
+    profile = random_profile(rng, 5)
+    config = ParallelConfig(1, 1, 4, 1, "1f1b", (0, 5))
+    grad = sum(b.param_bytes for b in profile.blocks)
+    pred = predict_step_time(profile, Network((bent,)), config, global_batch=8)
+    assert pred.breakdown["stages"][0]["dp_allreduce_s"] == pytest.approx(
+        bent.allreduce_time(grad, 4), rel=1e-12
+    )
+    for bad, words in (
+        ("4:10:1e-4:100@0.1/100@0.2", "must grow strictly"),
+        ("4:10:1e-4:100@0", "seconds > 0"),
+        ("4:10:1e-4:100-0.1", "100-0.1.*CHUNK_BYTES@SECONDS"),
+        ("4:10:1e-4:1@1:2", "size:gbps:latency_s"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            Network.parse(bad)
+
+
 def test_groups_run_at_the_slowest_level_they_span_in_megatron_rank_order():
     # rank = d * tp * pp + p * tp + t; levels of 2 devices, then 2 pairs, then 2 quads
     network = Network.parse("2:1000:1e-6,2:100:1e-5,2:10:1e-4")

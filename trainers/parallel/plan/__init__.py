@@ -58,6 +58,10 @@ Bandwidth is per device: concurrent groups on one level do not share it. With ``
                                                                scripts/scaling_whatif.py)
     P2P(S)   = S / W_l + alpha_l                               (one message)
 
+A level may also carry a ring step's measured time per chunk size
+(``size:gbps:latency_s:CHUNK@SECONDS/...``, :attr:`Level.hops`): ``AR_N(S)`` is then
+``2 (N - 1)`` steps of that curve read at ``S / N`` (linear between the measured chunks).
+
 **Tensor parallelism** (degree ``tp``, only blocks marked ``tensor_parallel``: BERT's layers;
 embeddings and heads are replicated, as in :mod:`trainers.parallel.tensor`)::
 

@@ -107,7 +107,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gb", type=float, required=True, help="memory per device, GiB")
     p.add_argument("--network", required=True,
                    help='levels innermost first, "size:gbps:latency_s,...", e.g. '
-                   '"8:2400:3e-6,2:200:1e-5"')  # fmt: skip
+                   '"8:2400:3e-6,2:200:1e-5"; a level may add ":CHUNK@SECONDS/...", a ring '
+                   "all-reduce step's measured time per chunk size")  # fmt: skip
     source = p.add_mutually_exclusive_group()
     source.add_argument("--profile", default=None, help="read this profile JSON")
     source.add_argument("--save-profile", default=None, help="profile here and write it")

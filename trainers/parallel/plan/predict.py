@@ -15,7 +15,7 @@ from typing import Any
 
 from trainers.parallel.pipeline import PIPELINE_SCHEDULES
 from trainers.parallel.plan._io import _check_unknown, _get, _read_json, _write_json
-from trainers.parallel.plan.network import Network, _layout_levels, allreduce_time, p2p_time
+from trainers.parallel.plan.network import Network, _layout_levels, p2p_time
 from trainers.parallel.plan.profile import BlockProfile, Profile
 
 SCHEDULES = PIPELINE_SCHEDULES  # ("gpipe", "1f1b")
@@ -86,8 +86,7 @@ class _Costs:
         def ar(nbytes: float, members: int, level: int) -> float:
             if members <= 1:
                 return 0.0
-            lv = network.levels[level]
-            return allreduce_time(nbytes, members, lv.gbps, lv.latency_s)
+            return network.levels[level].allreduce_time(nbytes, members)
 
         self._dp_ar = lambda nbytes: ar(nbytes, dp, dp_level)
         self.hop = [network.levels[h] for h in hops]
