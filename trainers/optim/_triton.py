@@ -46,6 +46,8 @@ def available(*lists: Sequence[Tensor]) -> bool:
     if not first or first[0].dtype != torch.float32:
         return False
     device = first[0].device
+    if not _triton.usable(device, WHAT):  # first: off the GPU it answers at once
+        return False
     for ts in zip(*lists, strict=True):
         t0 = ts[0]
         if not _dense(t0):
@@ -58,7 +60,7 @@ def available(*lists: Sequence[Tensor]) -> bool:
                 or t.stride() != t0.stride()
             ):
                 return False
-    return _triton.usable(device, WHAT)
+    return True
 
 
 @functools.cache
