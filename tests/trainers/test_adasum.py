@@ -212,6 +212,19 @@ def _lane_dots(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return out
 
 
+def _spans_problem(dtype: torch.dtype, lengths: list[int]):
+    """``(generator, x, y, offs, before)``: two unaligned views of ``sum(lengths)`` values
+    (``x`` of magnitude 3, ``y`` of 1e-3), the spans' offsets, and float64 rows of partial
+    sums for the dots to add to."""
+    g = torch.Generator().manual_seed(11)
+    n = sum(lengths)
+    x = (torch.randn(n + 1, generator=g, dtype=torch.float64) * 3).to(dtype)[1:]
+    y = (torch.randn(n + 2, generator=g, dtype=torch.float64) * 1e-3).to(dtype)[2:]
+    offs = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    before = torch.randn(len(lengths), 3, generator=g, dtype=torch.float64)
+    return g, x, y, offs, before
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_c_kernels_give_the_documented_bits(dtype):
     """``seg_dots_`` and ``seg_axpby_`` against numpy in float64, bit for bit: the dots in
@@ -220,21 +233,15 @@ def test_c_kernels_give_the_documented_bits(dtype):
     unaligned views, and accumulation into rows already holding partial sums."""
     if not adasum_native.available(torch.zeros(1, dtype=dtype)):
         pytest.fail("Adasum's C kernels did not build (a C compiler is a test requirement)")
-    g = torch.Generator().manual_seed(11)
-    lengths = [1, 15, 16, 17, 0, 33, 1000, 4099]
-    n = sum(lengths)
-    x = (torch.randn(n + 1, generator=g, dtype=torch.float64) * 3).to(dtype)[1:]
-    y = (torch.randn(n + 2, generator=g, dtype=torch.float64) * 1e-3).to(dtype)[2:]
-    offs = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-    before = torch.randn(len(lengths), 3, generator=g, dtype=torch.float64)
+    g, x, y, offs, before = _spans_problem(dtype, [1, 15, 16, 17, 0, 33, 1000, 4099])
     out = before.clone()
     adasum_native.seg_dots_(x, y, offs, out)
     x64, y64 = x.double().numpy(), y.double().numpy()
     for s, (lo, hi) in enumerate(zip(offs, offs[1:], strict=False)):
         want = before[s].numpy() + _lane_dots(x64[lo:hi], y64[lo:hi])
         assert np.array_equal(out[s].numpy(), want), (s, out[s], want)
-    p = torch.randn(len(lengths), generator=g, dtype=torch.float64).tolist()
-    q = torch.randn(len(lengths), generator=g, dtype=torch.float64).tolist()
+    p = torch.randn(len(offs) - 1, generator=g, dtype=torch.float64).tolist()
+    q = torch.randn(len(offs) - 1, generator=g, dtype=torch.float64).tolist()
     z = x.clone()
     adasum_native.seg_axpby_(z, y, offs, p, q)
     for s, (lo, hi) in enumerate(zip(offs, offs[1:], strict=False)):
@@ -253,13 +260,7 @@ def test_cuda_kernels_interpreted_match_numpy(dtype, monkeypatch):
     monkeypatch.setenv("MODELZOO_TRITON", "interpret")
     monkeypatch.setattr(adasum_gpu, "BLOCK", 64)
     assert adasum_gpu.available(torch.zeros(1, dtype=dtype))
-    g = torch.Generator().manual_seed(11)
-    lengths = [1, 15, 16, 17, 0, 33, 64, 65, 1000, 4099]
-    n = sum(lengths)
-    x = (torch.randn(n + 1, generator=g, dtype=torch.float64) * 3).to(dtype)[1:]
-    y = (torch.randn(n + 2, generator=g, dtype=torch.float64) * 1e-3).to(dtype)[2:]
-    offs = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-    before = torch.randn(len(lengths), 3, generator=g, dtype=torch.float64)
+    g, x, y, offs, before = _spans_problem(dtype, [1, 15, 16, 17, 0, 33, 64, 65, 1000, 4099])
     out = before.clone()
     adasum_gpu.seg_dots_(x, y, offs, out)
     x64, y64 = x.double().numpy(), y.double().numpy()
@@ -268,8 +269,8 @@ def test_cuda_kernels_interpreted_match_numpy(dtype, monkeypatch):
         want = before[s].numpy() + np.array([u @ v, u @ u, v @ v])
         bound = 1e-13 * np.array([np.abs(u * v).sum(), u @ u, v @ v]) + 1e-300
         assert (np.abs(out[s].numpy() - want) <= bound).all(), (s, out[s], want)
-    p = torch.randn(len(lengths), generator=g, dtype=torch.float64).tolist()
-    q = torch.randn(len(lengths), generator=g, dtype=torch.float64).tolist()
+    p = torch.randn(len(offs) - 1, generator=g, dtype=torch.float64).tolist()
+    q = torch.randn(len(offs) - 1, generator=g, dtype=torch.float64).tolist()
     z = x.clone()
     adasum_gpu.seg_axpby_(z, y, offs, p, q)
     for s, (lo, hi) in enumerate(zip(offs, offs[1:], strict=False)):

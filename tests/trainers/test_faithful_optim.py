@@ -63,9 +63,10 @@ def ref_groups(exclusions: bool, weight_decay: float):
     return [([n for n in SHAPES if n not in NO_WD], weight_decay), (sorted(NO_WD), 0.0)]
 
 
-def run_ours(make_opt, weights, grads, *, exclusions: bool):
-    """Our optimizer in float64; the no-decay group as ``param_groups(no_wd=True)`` makes it."""
-    params = {n: nn.Parameter(torch.tensor(w, dtype=torch.float64)) for n, w in weights.items()}
+def run_ours(make_opt, weights, grads, *, exclusions: bool, dtype=torch.float64):
+    """Our optimizer in float64 (or ``dtype``); the no-decay group as
+    ``param_groups(no_wd=True)`` makes it."""
+    params = {n: nn.Parameter(torch.tensor(w, dtype=dtype)) for n, w in weights.items()}
     if exclusions:
         groups = [
             {"params": [params[n] for n in SHAPES if n not in NO_WD]},
@@ -76,9 +77,9 @@ def run_ours(make_opt, weights, grads, *, exclusions: bool):
     opt = make_opt(groups)
     for gs in grads:
         for n, p in params.items():
-            p.grad = torch.tensor(gs[n], dtype=torch.float64)
+            p.grad = torch.tensor(gs[n], dtype=dtype)
         opt.step()
-    return {n: p.detach().numpy() for n, p in params.items()}
+    return {n: p.detach().double().numpy() for n, p in params.items()}
 
 
 def max_rel_diff(actual, expected) -> float:

@@ -91,27 +91,6 @@ def test_lans_twenty_steps_match_the_reference(options, launches):
 
 
 # ---- against the authors' code (float32 here, so float32's tolerance) -----------------------
-def _run_fp32(make_opt, weights, grads, *, exclusions: bool):
-    params = {n: nn.Parameter(torch.tensor(w, dtype=torch.float32)) for n, w in weights.items()}
-    if exclusions:
-        groups = [
-            {"params": [params[n] for n in faithful.SHAPES if n not in faithful.NO_WD]},
-            {
-                "params": [params[n] for n in sorted(faithful.NO_WD)],
-                "weight_decay": 0.0,
-                "no_wd": True,
-            },
-        ]
-    else:
-        groups = [{"params": list(params.values())}]
-    opt = make_opt(groups)
-    for gs in grads:
-        for n, p in params.items():
-            p.grad = torch.tensor(gs[n], dtype=torch.float32)
-        opt.step()
-    return {n: p.detach().double().numpy() for n, p in params.items()}
-
-
 FP32_TOL = 2e-5  # max |ours - ref| / max |ref| per tensor after 6 float32 steps
 AUTHORS = {
     "apex-fused-lamb": (
@@ -159,7 +138,9 @@ def test_matches_the_authors_code(name, grad_scale, exclusions, launches):
     make_opt, reference = AUTHORS[name]
     weights, grads = faithful.make_problem(31, grad_scale)
     expected = reference(weights, grads, exclusions, 1.0)
-    ours = _run_fp32(lambda g: make_opt(g, 1.0), weights, grads, exclusions=exclusions)
+    ours = faithful.run_ours(
+        lambda g: make_opt(g, 1.0), weights, grads, exclusions=exclusions, dtype=torch.float32
+    )
     assert faithful.max_rel_diff(ours, expected) < FP32_TOL
     _assert_two_launches_per_bucket_step(launches, 2 if exclusions else 1, faithful.STEPS)
 

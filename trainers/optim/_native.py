@@ -38,7 +38,7 @@ from torch import Tensor
 
 from modelzoo._native import load
 
-__all__ = ["apply_", "available", "moments_", "update_"]
+__all__ = ["apply_", "available", "moments_", "one_dense_layout", "update_"]
 
 _SOURCE = r"""
 #include <math.h>
@@ -208,19 +208,27 @@ def available(*lists: Sequence[Tensor]) -> bool:
         or first[0].dtype != torch.float32
     ):
         return False
+    return one_dense_layout(lists) and _lib() is not None
+
+
+def one_dense_layout(lists: Sequence[Sequence[Tensor]]) -> bool:
+    """Whether the parallel lists hold float32 tensors on one device with, per position, one
+    shape and strides that fill a block of memory: what a kernel walking every operand of a
+    tensor by the same offsets needs."""
+    device = lists[0][0].device
     for ts in zip(*lists, strict=True):
         t0 = ts[0]
         if not _dense(t0):
             return False
-        for t in ts[1:]:
+        for t in ts:
             if (
                 t.dtype != torch.float32
-                or t.device.type != "cpu"
+                or t.device != device
                 or t.shape != t0.shape
                 or t.stride() != t0.stride()
             ):
                 return False
-    return _lib() is not None
+    return True
 
 
 def _dense(t: Tensor) -> bool:

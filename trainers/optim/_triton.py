@@ -31,7 +31,7 @@ from torch import Tensor
 
 from modelzoo import _triton
 
-from ._native import _dense
+from ._native import one_dense_layout
 
 __all__ = ["BLOCK", "apply_", "available", "moments_"]
 
@@ -48,19 +48,7 @@ def available(*lists: Sequence[Tensor]) -> bool:
     device = first[0].device
     if not _triton.usable(device, WHAT):  # first: off the GPU it answers at once
         return False
-    for ts in zip(*lists, strict=True):
-        t0 = ts[0]
-        if not _dense(t0):
-            return False
-        for t in ts[1:]:
-            if (
-                t.dtype != torch.float32
-                or t.device != device
-                or t.shape != t0.shape
-                or t.stride() != t0.stride()
-            ):
-                return False
-    return True
+    return one_dense_layout(lists)
 
 
 @functools.cache

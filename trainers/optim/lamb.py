@@ -199,15 +199,7 @@ class Lamb(LayerwiseAdaptiveOptimizer):
                 if sums is None:
                     coef = torch.full((1,), -lr * s, device=w[0].device)
                 else:
-                    weight_norm, update_norm = sums[:, 0].sqrt(), sums[:, 1].sqrt()
-                    if not deepspeed:
-                        update_norm.mul_(s)
-                    coef = trust_ratio(
-                        weight_norm,
-                        update_norm,
-                        weight_norm_clamp=group["weight_norm_clamp"],
-                        trust_clamp=group["trust_clamp"],
-                    ).mul_(-lr * s)
+                    coef = self._step_sizes(group, sums[:, 0].sqrt(), sums[:, 1].sqrt(), s)
                 _triton.apply_(g, m, v, w, coef, **passes)
                 return
         work = self._scratch(bucket, 0)
@@ -237,16 +229,23 @@ class Lamb(LayerwiseAdaptiveOptimizer):
                 torch._foreach_add_(update, w, alpha=alpha)
 
         if adapts:
-            weight_norm = bucket.norms(w)
-            update_norm = bucket.norms(update)
-            if not deepspeed:
-                update_norm.mul_(s)
-            ratio = trust_ratio(
-                weight_norm,
-                update_norm,
-                weight_norm_clamp=group["weight_norm_clamp"],
-                trust_clamp=group["trust_clamp"],
-            )
-            torch._foreach_addcmul_(w, update, ratio.mul_(-lr * s).unbind(0))
+            coef = self._step_sizes(group, bucket.norms(w), bucket.norms(update), s)
+            torch._foreach_addcmul_(w, update, coef.unbind(0))
         else:
             torch._foreach_add_(w, update, alpha=-lr * s)
+
+    @staticmethod
+    def _step_sizes(
+        group: dict[str, Any], weight_norm: torch.Tensor, update_norm: torch.Tensor, s: float
+    ) -> torch.Tensor:
+        """Per tensor ``-lr s r``, ``r`` the trust ratio of ``||w||`` and ``||u||`` (apex: of
+        the bias-corrected update, ``s ||u||``; DeepSpeed: of ``u`` as it is)."""
+        if group["variant"] != "deepspeed":
+            update_norm = update_norm.mul_(s)
+        ratio = trust_ratio(
+            weight_norm,
+            update_norm,
+            weight_norm_clamp=group["weight_norm_clamp"],
+            trust_clamp=group["trust_clamp"],
+        )
+        return ratio.mul_(-group["lr"] * s)
