@@ -42,6 +42,7 @@ __all__ = [
     "jit",
     "mode",
     "tiles",
+    "to_device",
     "usable",
 ]
 
@@ -152,7 +153,9 @@ def _remember(cache: OrderedDict, key: tuple[Any, ...], value: Any) -> Any:
     return value
 
 
-def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``values`` as a ``dtype`` tensor on ``device``, copied without waiting for the device
+    (from pinned memory, which torch keeps until the copy is done)."""
     host = torch.tensor(values, dtype=dtype)
     if device.type == "cpu":
         return host
@@ -173,10 +176,10 @@ def tiles(sizes: Sequence[int], block: int, device: torch.device) -> Tiles:
         start.extend(range(0, k * block, block))
         count.append(k)
     table = Tiles(
-        tensor=_to_device(tensor, torch.int32, device),
-        start=_to_device(start, torch.int64, device),
-        count=_to_device(count, torch.int64, device),
-        sizes=_to_device(list(sizes), torch.int64, device),
+        tensor=to_device(tensor, torch.int32, device),
+        start=to_device(start, torch.int64, device),
+        count=to_device(count, torch.int64, device),
+        sizes=to_device(list(sizes), torch.int64, device),
         n=len(tensor),
     )
     return _remember(_TILES, key, table)
@@ -190,7 +193,7 @@ def int64_table(values: Sequence[int], device: torch.device) -> Tensor:
     if hit is not None:
         _INT64.move_to_end(key)
         return hit
-    return _remember(_INT64, key, _to_device(list(values), torch.int64, device))
+    return _remember(_INT64, key, to_device(list(values), torch.int64, device))
 
 
 def addresses(tensors: Sequence[Tensor]) -> Tensor:

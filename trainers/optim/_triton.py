@@ -59,9 +59,14 @@ def _kernels(mode: str) -> SimpleNamespace:
     return SimpleNamespace(moments=_triton.jit(k.moments), apply=_triton.jit(k.apply))
 
 
+_UNSCALED: dict[torch.device, Tensor] = {}  # a placeholder the kernels do not read
+
+
 def _scale(scale: Tensor | None, n: int, device: torch.device) -> tuple[Tensor, int, bool]:
     if scale is None:
-        return torch.ones(1, device=device), 0, False
+        if device not in _UNSCALED:
+            _UNSCALED[device] = torch.ones(1, device=device)
+        return _UNSCALED[device], 0, False
     scale = scale.detach().to(device=device, dtype=torch.float32).reshape(-1).contiguous()
     if scale.numel() not in (1, n):
         raise ValueError(f"scale has {scale.numel()} values for {n} tensors")

@@ -85,9 +85,7 @@ def seg_axpby_(
     if k < 1:
         return
     table, base = _spans(offs, x.device)
-    coef = torch.tensor([*p, *q], dtype=torch.float64)
-    if x.device.type != "cpu":
-        coef = coef.pin_memory().to(x.device, non_blocking=True)
+    coef = _triton.to_device([*p, *q], torch.float64, x.device)
     try:
         _kernels(_triton.mode()).axpby[(table.n,)](
             x, y, base, table.sizes, table.tensor, table.start, coef[:k], coef[k:], BLOCK=BLOCK
