@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--portable",
         action="store_true",
         help="the portable exact mode (trainers.logs.PORTABLE_EXACT_PINS: oneDNN off, MKL's "
-        "COMPATIBLE branch; docs/run_logs.md): a trace meant to re-create on other x86-64 "
+        "COMPATIBLE branch, correctly rounded sqrt; docs/run_logs.md): a trace meant to re-create on other x86-64 "
         "processor models, once scripts/cross_processor.py has verified it",
     )
     r.add_argument("--out-dir", default=None, help="default logs/<recipe>")

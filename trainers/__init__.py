@@ -25,7 +25,7 @@ from .logs import PhasedRunLogger, RunLogger, format_metrics, make_header, progr
 from .tensorboard import TensorBoardSink
 from .trainer import Trainer, TrainerConfig
 
-apply_portable_mode()  # MODELZOO_PORTABLE=1 (scripts/publish.py --portable): oneDNN off
+apply_portable_mode()  # MODELZOO_PORTABLE (scripts/publish.py --portable): oneDNN off, IEEE sqrt
 
 
 def __getattr__(name: str) -> object:

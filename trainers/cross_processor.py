@@ -169,9 +169,12 @@ def pair_entry(
 
 
 def portable_tag(pins: dict[str, str] = PORTABLE_EXACT_PINS) -> str:
-    """The portable exact mode's name in trace file names, by its MKL branch (the switch that
-    changed): ``portable-compatible``; the first mode's traces are ``portable-avx2-strict``."""
-    return "portable-" + pins["MKL_CBWR"].lower().replace(",", "-")
+    """The portable exact mode's name in trace file names, by its MKL branch and, from
+    version 2 on, its version: ``portable-compatible-v2``; version 1's traces are
+    ``portable-compatible``, the first mode's ``portable-avx2-strict``."""
+    version = pins.get("MODELZOO_PORTABLE", "1")
+    tag = "portable-" + pins["MKL_CBWR"].lower().replace(",", "-")
+    return tag if version == "1" else f"{tag}-v{version}"
 
 
 def trace_path(

@@ -27,6 +27,7 @@ __all__ = [
     "ISA_PIN_VARIABLES",
     "PORTABLE_CPU_PINS",
     "PORTABLE_EXACT_PINS",
+    "PORTABLE_MODE_VERSIONS",
     "apply_portable_mode",
     "portable_mode",
     "cpu_info",
@@ -93,7 +94,7 @@ PORTABLE_CPU_PINS = {
 }
 
 #: The portable exact mode (``scripts/publish.py --portable``): every kernel is ATen's own at
-#: AVX2 (oneDNN off: ``MODELZOO_PORTABLE=1`` sets ``torch.backends.mkldnn.enabled = False``
+#: AVX2 (oneDNN off: ``MODELZOO_PORTABLE`` set sets ``torch.backends.mkldnn.enabled = False``
 #: when :mod:`trainers` is imported) or MKL's on its ``COMPATIBLE`` code branch, the one MKL
 #: offers for Intel and Intel-compatible processors alike (same bits at a fixed thread count).
 #: Its ``AVX2`` branch is Intel-only (on other vendors MKL falls back to its AUTO dispatch):
@@ -102,28 +103,53 @@ PORTABLE_CPU_PINS = {
 #: MKL may not lower the thread count by itself (a CNR condition MKL names for runs on different
 #: systems). oneDNN picks its kernels and blockings by processor; ATen's kernels depend on
 #: the pinned capability and the thread count only.
+#:
+#: ``MODELZOO_PORTABLE`` is the mode's version. ``1``: the above. ``2`` (the current one) adds
+#: correctly rounded square roots (:mod:`trainers._portable_ops`): ATen computes ``sqrt`` with
+#: MKL's vector math library, whose code path MKL picks by processor whatever ``MKL_CBWR``
+#: says (measured: Adam's ``exp_avg_sq.sqrt()`` parted an Intel Xeon and an AMD EPYC at the
+#: first step of ``karate_gcn``). Logs made in version 1 are re-created in version 1.
 PORTABLE_EXACT_PINS = {
     "ATEN_CPU_CAPABILITY": "avx2",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "MKL_CBWR": "COMPATIBLE",
     "MKL_DYNAMIC": "FALSE",
-    "MODELZOO_PORTABLE": "1",
+    "MODELZOO_PORTABLE": "2",
 }
+
+#: The versions of the portable exact mode (``MODELZOO_PORTABLE``) this code runs.
+PORTABLE_MODE_VERSIONS = ("1", "2")
 
 
 def portable_mode() -> bool:
-    """Whether this process runs in the portable exact mode (``MODELZOO_PORTABLE=1``)."""
-    return os.environ.get("MODELZOO_PORTABLE") == "1"
+    """Whether this process runs in the portable exact mode (``MODELZOO_PORTABLE`` set to one
+    of :data:`PORTABLE_MODE_VERSIONS`)."""
+    return os.environ.get("MODELZOO_PORTABLE") in PORTABLE_MODE_VERSIONS
 
 
 def apply_portable_mode() -> bool:
-    """With ``MODELZOO_PORTABLE=1``: turn oneDNN off (convolutions, GELU and the other ops it
-    would take run on ATen's kernels). Called when :mod:`trainers` is imported; returns
-    whether the mode is on."""
-    if portable_mode():
-        torch.backends.mkldnn.enabled = False
-        return True
-    return False
+    """In the portable exact mode: turn oneDNN off (convolutions, GELU and the other ops it
+    would take run on ATen's kernels) and, from version 2 on, replace ATen's CPU square root
+    with a correctly rounded one. Called when :mod:`trainers` is imported; returns whether
+    the mode is on. An unknown version is refused (exit 2: it would run another mode's
+    kernels under that mode's name)."""
+    version = os.environ.get("MODELZOO_PORTABLE")
+    if not version:
+        return False
+    if version not in PORTABLE_MODE_VERSIONS:
+        print(
+            f"error: MODELZOO_PORTABLE={version!r}: this code runs the portable exact mode's "
+            f"versions {', '.join(PORTABLE_MODE_VERSIONS)} (docs/run_logs.md); unset it or use "
+            "one of those",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    torch.backends.mkldnn.enabled = False
+    if int(version) >= 2:
+        from . import _portable_ops  # noqa: PLC0415
+
+        _portable_ops.install()
+    return True
 
 
 # Packages whose code computes or feeds the numbers of some script.
@@ -278,7 +304,7 @@ def not_comparable_reason(
     so a trace is only called reproducible on the processor model that made it.
 
     A log made in the portable exact mode (:data:`PORTABLE_EXACT_PINS`, its ``isa_pins``
-    has ``MODELZOO_PORTABLE=1``) is exempt from the processor rule when
+    has ``MODELZOO_PORTABLE`` set) is exempt from the processor rule when
     ``portable_verified`` names the evidence that the mode holds for its recipe across
     processors (``scripts/reproduce.py`` reads it from ``logs/cross_processor.json``); without
     it, the rule stands and the reason says the mode is not verified yet, or, with
@@ -319,7 +345,7 @@ def not_comparable_reason(
             "re-created on another ISA"
         )
     key = ("vendor", "family", "model")
-    portable = (pins.get("MODELZOO_PORTABLE") or "") == "1"
+    portable = (pins.get("MODELZOO_PORTABLE") or "") in PORTABLE_MODE_VERSIONS
     if tuple(rec_cpu.get(k) for k in key) != tuple(cpu.get(k) for k in key):
         if portable and portable_verified:
             return None

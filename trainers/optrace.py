@@ -141,6 +141,8 @@ class OpRecorder(TorchDispatchMode):
             self.dropped += 1
             return out
         tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if tensors and all(t.device.type == "meta" for t in tensors):
+            return out  # shapes only, nothing computed (a model built on the meta device)
         self._track(func, args, kwargs or {}, tensors)
         shapes, digest = _digest(tensors, skip=self._unwritten)
         self.records.append(OpRecord(str(func), shapes, digest, _where()))

@@ -82,6 +82,7 @@ from trainers.claims import (
 from trainers.comm import combiner_class
 from trainers.logs import (
     ISA_PIN_VARIABLES,
+    PORTABLE_MODE_VERSIONS,
     RunLogError,
     machine_fingerprint,
     not_comparable_reason,
@@ -392,7 +393,7 @@ def portable_refutation(log: Path, header: Record, results: Path | None = None) 
 
 def _portable_pairs(log: Path, header: Record, results: Path | None) -> list[dict[str, Any]]:
     pins = {k: v for k, v in ((header.get("fingerprint") or {}).get("isa_pins") or {}).items() if v}
-    if pins.get("MODELZOO_PORTABLE") != "1":
+    if pins.get("MODELZOO_PORTABLE") not in PORTABLE_MODE_VERSIONS:
         return []
     recipe = log.resolve().parent.name
     return [

@@ -43,12 +43,16 @@ def test_the_trace_name_carries_the_mode_and_the_overrides(tmp_path):
     assert plain.name == "karate_gcn-seed0.GenuineIntel-6-207.json.gz"
     portable = cross_processor.trace_path(log, cpu, portable=True)
     branch = PORTABLE_EXACT_PINS["MKL_CBWR"].lower()
-    assert portable.name == f"karate_gcn-seed0.GenuineIntel-6-207.portable-{branch}.json.gz"
+    assert portable.name == f"karate_gcn-seed0.GenuineIntel-6-207.portable-{branch}-v2.json.gz"
+    # version 1's traces keep their names
+    assert cross_processor.portable_tag({**PORTABLE_EXACT_PINS, "MODELZOO_PORTABLE": "1"}) == (
+        f"portable-{branch}"
+    )
     candidate = cross_processor.trace_path(
         log, cpu, portable=True, pins={"MODELZOO_PORTABLE": "", "MKL_CBWR": "AVX2,STRICT"}
     )
     assert candidate.name.endswith(
-        f".portable-{branch}.pins-mkl_cbwr=avx2-strict-modelzoo_portable=.json.gz"
+        f".portable-{branch}-v2.pins-mkl_cbwr=avx2-strict-modelzoo_portable=.json.gz"
     )
 
 

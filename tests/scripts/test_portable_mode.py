@@ -1,4 +1,4 @@
-"""The portable exact mode (issue 43): MODELZOO_PORTABLE=1 turns oneDNN off and is recorded;
+"""The portable exact mode (issue 43): MODELZOO_PORTABLE=2 turns oneDNN off and is recorded;
 a portable log from another processor is re-created here once a cross-processor pair has
 verified its recipe, and refused (exit 4) otherwise or without the mode."""
 
@@ -43,7 +43,7 @@ def _fingerprint(pins: dict[str, str]) -> dict:
 def test_the_mode_turns_onednn_off_and_the_fingerprint_records_it():
     portable, pinned = _fingerprint(PORTABLE_EXACT_PINS), _fingerprint(PORTABLE_CPU_PINS)
     assert portable["onednn"] is False and pinned["onednn"] is True
-    assert portable["isa_pins"]["MODELZOO_PORTABLE"] == "1"
+    assert portable["isa_pins"]["MODELZOO_PORTABLE"] == "2"  # the mode's current version
     # MKL's only branch documented for non-Intel processors; AVX2 is Intel-only (refuted here)
     assert portable["isa_pins"]["MKL_CBWR"] == "COMPATIBLE"
     assert portable["isa_pins"]["MKL_DYNAMIC"] == "FALSE"
@@ -82,7 +82,7 @@ def portable_log(tmp_path):
     """A real portable run of a linear recipe made here, its header forged to another processor."""
     log = _linear_log(tmp_path, portable=True)
     records = read_records(log)
-    assert records[0]["fingerprint"]["isa_pins"]["MODELZOO_PORTABLE"] == "1"
+    assert records[0]["fingerprint"]["isa_pins"]["MODELZOO_PORTABLE"] == "2"
 
     def forge(pins: dict[str, str]) -> None:
         header = dict(records[0])
@@ -131,6 +131,12 @@ def test_a_verified_portable_log_from_another_processor_is_re_created_exactly(
     first_mode = {**PORTABLE_EXACT_PINS, "MKL_CBWR": "AVX2,STRICT"}
     first_mode.pop("MKL_DYNAMIC")
     results.write_text(json.dumps({"pairs": [_pair(log, pins=first_mode)]}))
+    assert reproduce.main([str(log), "--max-steps", "5"]) == 4
+    assert "has verified the mode for this recipe yet" in capsys.readouterr().out
+
+    # nor is one of the mode's version 1 (ATen's sqrt) for a log of version 2
+    version_1 = {**PORTABLE_EXACT_PINS, "MODELZOO_PORTABLE": "1"}
+    results.write_text(json.dumps({"pairs": [_pair(log, pins=version_1)]}))
     assert reproduce.main([str(log), "--max-steps", "5"]) == 4
     assert "has verified the mode for this recipe yet" in capsys.readouterr().out
 

@@ -86,6 +86,19 @@ def test_bookkeeping_a_data_loader_does_ahead_of_time_is_not_a_difference():
     assert first_difference(a, other)["kind"] == "path"
 
 
+def test_a_model_built_on_the_meta_device_records_nothing():
+    """A model built on the meta device (shapes only, e.g. to count its parameters) computes
+    nothing: a script that does so first records the same trace as one that does not."""
+    a = _record("none").records
+    with OpRecorder() as rec:
+        with torch.device("meta"):
+            meta = torch.nn.Linear(16, 8)
+        assert meta.weight.is_meta
+        _compute("none")
+    assert first_difference(a, rec.records) is None
+    assert len(rec.records) == len(a)
+
+
 def test_trace_files_round_trip(tmp_path):
     rec = _record("none")
     path = save_trace(tmp_path / "t.json.gz", rec.records, command=["x.py"])
