@@ -119,8 +119,11 @@ def _recipe(logs: Sequence[Path], args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminate_as_exit)
-    if args.native and args.portable:
+    if args.portable and args.portable_onednn:
+        raise SystemExit("--portable and --portable-onednn: give one")
+    if args.native and (args.portable or args.portable_onednn):
         raise SystemExit("--native and --portable contradict: --native runs unpinned kernels")
+    portable = "onednn" if args.portable_onednn else args.portable
     out_dir = Path(args.out_dir) if args.out_dir else REPO_ROOT / "logs" / args.recipe
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.elastic_drill and args.partition_drill:
@@ -129,7 +132,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     drill = parse_drill(args.elastic_drill) if args.elastic_drill else None
     if args.drill_recovery != "restart" and drill is None:
         raise SystemExit("--drill-recovery: only with --elastic-drill")
-    env = run_env(args.threads, native=args.native, portable=args.portable, root=REPO_ROOT)
+    env = run_env(args.threads, native=args.native, portable=portable, root=REPO_ROOT)
     try:
         run_seeds(
             args.recipe, args.command, parse_seeds(args.seeds), out_dir, env=env,
@@ -218,6 +221,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the portable exact mode (trainers.logs.PORTABLE_EXACT_PINS: oneDNN off, MKL's "
         "COMPATIBLE branch, correctly rounded sqrt; docs/run_logs.md): a trace meant to re-create on other x86-64 "
         "processor models, once scripts/cross_processor.py has verified it",
+    )
+    r.add_argument(
+        "--portable-onednn",
+        action="store_true",
+        help="the portable exact mode with oneDNN kept on at AVX2 "
+        "(trainers.logs.PORTABLE_ONEDNN_PINS), for convolution recipes: ATen's own "
+        "convolutions cost 7x; holds where scripts/cross_processor.py verifies it",
     )
     r.add_argument("--out-dir", default=None, help="default logs/<recipe>")
     r.add_argument("--no-claims", action="store_true", help="do not update the claims file")

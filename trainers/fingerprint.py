@@ -28,6 +28,7 @@ __all__ = [
     "PORTABLE_CPU_PINS",
     "PORTABLE_EXACT_PINS",
     "PORTABLE_MODE_VERSIONS",
+    "PORTABLE_ONEDNN_PINS",
     "apply_portable_mode",
     "portable_mode",
     "cpu_info",
@@ -117,8 +118,13 @@ PORTABLE_EXACT_PINS = {
     "MODELZOO_PORTABLE": "2",
 }
 
+#: The portable exact mode with oneDNN kept on, at AVX2 (``ONEDNN_MAX_CPU_ISA``), for the
+#: convolution recipes, which run 7x slower on ATen's own convolutions. oneDNN may choose its
+#: blockings by processor, so this variant holds for a recipe only where a pair verifies it.
+PORTABLE_ONEDNN_PINS = {**PORTABLE_EXACT_PINS, "MODELZOO_PORTABLE": "2-onednn"}
+
 #: The versions of the portable exact mode (``MODELZOO_PORTABLE``) this code runs.
-PORTABLE_MODE_VERSIONS = ("1", "2")
+PORTABLE_MODE_VERSIONS = ("1", "2", "2-onednn")
 
 
 def portable_mode() -> bool:
@@ -129,7 +135,7 @@ def portable_mode() -> bool:
 
 def apply_portable_mode() -> bool:
     """In the portable exact mode: turn oneDNN off (convolutions, GELU and the other ops it
-    would take run on ATen's kernels) and, from version 2 on, replace ATen's CPU square root
+    would take run on ATen's kernels; not in the ``-onednn`` variant) and, from version 2 on, replace ATen's CPU square root
     with a correctly rounded one. Called when :mod:`trainers` is imported; returns whether
     the mode is on. An unknown version is refused (exit 2: it would run another mode's
     kernels under that mode's name)."""
@@ -144,8 +150,10 @@ def apply_portable_mode() -> bool:
             file=sys.stderr,
         )
         raise SystemExit(2)
-    torch.backends.mkldnn.enabled = False
-    if int(version) >= 2:
+    number, _, variant = version.partition("-")
+    if variant != "onednn":
+        torch.backends.mkldnn.enabled = False
+    if int(number) >= 2:
         from . import _portable_ops  # noqa: PLC0415
 
         _portable_ops.install()

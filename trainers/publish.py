@@ -41,7 +41,13 @@ from filelock import FileLock
 
 from trainers.checkpoint import atomic_write_text
 from trainers.claims import ClaimsError, load_claims, make_recipe, write_claims
-from trainers.logs import ISA_PIN_VARIABLES, PORTABLE_CPU_PINS, PORTABLE_EXACT_PINS, read_run_log
+from trainers.logs import (
+    ISA_PIN_VARIABLES,
+    PORTABLE_CPU_PINS,
+    PORTABLE_EXACT_PINS,
+    PORTABLE_ONEDNN_PINS,
+    read_run_log,
+)
 
 #: The checkout holding this package: the default root of every function taking ``root``.
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -74,11 +80,13 @@ def run_env(
     *,
     native: bool,
     base: dict[str, str] | None = None,
-    portable: bool = False,
+    portable: bool | str = False,
     root: Path = REPO_ROOT,
 ) -> dict[str, str]:
     """The environment of a published run: the portable pins (unless ``native``; with
-    ``portable``, the portable exact mode's: ``PORTABLE_EXACT_PINS``) and the thread count;
+    ``portable``, the portable exact mode's: ``PORTABLE_EXACT_PINS``, or with
+    ``portable="onednn"`` its variant with oneDNN on, ``PORTABLE_ONEDNN_PINS``) and the
+    thread count;
     any other ISA pin the caller had is removed; the repository at ``root`` importable."""
     env = {
         k: v
@@ -86,7 +94,10 @@ def run_env(
         if k not in ISA_PIN_VARIABLES
     }
     if not native:
-        env.update(PORTABLE_EXACT_PINS if portable else PORTABLE_CPU_PINS)
+        if portable == "onednn":
+            env.update(PORTABLE_ONEDNN_PINS)
+        else:
+            env.update(PORTABLE_EXACT_PINS if portable else PORTABLE_CPU_PINS)
     env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
     return env

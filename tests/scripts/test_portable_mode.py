@@ -16,6 +16,7 @@ from trainers.logs import (
     ISA_PIN_VARIABLES,
     PORTABLE_CPU_PINS,
     PORTABLE_EXACT_PINS,
+    PORTABLE_ONEDNN_PINS,
     machine_fingerprint,
 )
 
@@ -59,6 +60,21 @@ def test_only_a_verified_portable_log_escapes_the_processor_rule():
     usual = {**forged, "isa_pins": {**dict.fromkeys(ISA_PIN_VARIABLES), **PORTABLE_CPU_PINS}}
     reason = not_comparable_reason(usual, here, portable_verified="made on A, rerun on B")
     assert reason is not None and "oneDNN and MKL choose kernels" in reason
+
+
+def test_publish_runs_each_mode_under_its_pins():
+    publish = load_script("publish", "portable_env")
+    base = {"MKL_CBWR": "AVX512", "PATH": "/bin"}
+
+    def pins(**kw):
+        env = publish.run_env(2, native=False, base=base, **kw)
+        return {k: env[k] for k in ISA_PIN_VARIABLES if k in env}
+
+    assert pins() == PORTABLE_CPU_PINS
+    assert pins(portable=True) == PORTABLE_EXACT_PINS
+    assert pins(portable="onednn") == PORTABLE_ONEDNN_PINS
+    assert PORTABLE_ONEDNN_PINS["MODELZOO_PORTABLE"] == "2-onednn"
+    assert publish.run_env(2, native=True, base=base).get("MKL_CBWR") is None
 
 
 def _linear_log(tmp_path, *, portable: bool):

@@ -92,12 +92,20 @@ def test_version_2_computes_correctly_rounded_square_roots_everywhere():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("version, installed", [(None, False), ("1", False), ("2", True)])
-def test_only_version_2_replaces_the_kernel(version, installed):
-    code = "import torch, trainers; from trainers import _portable_ops; print(_portable_ops.installed(), torch.backends.mkldnn.enabled)"
+@pytest.mark.parametrize(
+    "version, installed, onednn",
+    [(None, False, True), ("1", False, False), ("2", True, False), ("2-onednn", True, True)],
+)
+def test_version_2_replaces_the_kernel_and_only_the_onednn_variant_keeps_onednn(
+    version, installed, onednn
+):
+    code = (
+        "import torch, trainers; from trainers import _portable_ops; "
+        "print(_portable_ops.installed(), torch.backends.mkldnn.enabled)"
+    )
     done = _run(code, version)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [str(installed), str(version is None)]
+    assert done.stdout.split() == [str(installed), str(onednn)]
 
 
 def test_an_unknown_version_is_one_line_and_exit_2():
