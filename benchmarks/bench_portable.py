@@ -1,13 +1,16 @@
 """The speed cost of the portable exact mode, per recipe family.
 
 ``scripts/publish.py --portable`` publishes under ``trainers.logs.PORTABLE_EXACT_PINS``
-(oneDNN off, MKL's COMPATIBLE code branch, MKL_DYNAMIC off) instead of the usual
-``PORTABLE_CPU_PINS``. Each round runs one short training command per family twice, once in
-each mode, in an order that alternates with the round, as subprocesses with the same thread
-count; the measure is the median ``samples_per_sec`` of the run log's step records (training
-steps only: start-up, data preparation and evaluations are left out).
+(oneDNN off, MKL's COMPATIBLE code branch, MKL_DYNAMIC off, correctly rounded sqrt) instead
+of the usual ``PORTABLE_CPU_PINS``; ``--portable-onednn`` under ``PORTABLE_ONEDNN_PINS``
+(the same with oneDNN on: ``--variant onednn`` here). Each round runs one short training
+command per family twice, once in each mode, in an order that alternates with the round,
+as subprocesses with the same thread count; the measure is the median ``samples_per_sec``
+of the run log's step records (training steps only: start-up, data preparation and
+evaluations are left out).
 
     python benchmarks/bench_portable.py [--rounds 5] [--threads 2] [--families resnest,bert]
+        [--variant exact|onednn]
 
 Prints, per family, min/median/max samples/s of each mode and ``ratio_<family>=<portable
 median / pinned median>`` (below 1: the portable mode is slower), then ``ratio=`` the lowest
@@ -30,7 +33,14 @@ from _report import check_rounds, machine, machine_line, spread, write_json  # n
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from trainers.logs import ISA_PIN_VARIABLES, PORTABLE_CPU_PINS, PORTABLE_EXACT_PINS  # noqa: E402
+from trainers.logs import (  # noqa: E402
+    ISA_PIN_VARIABLES,
+    PORTABLE_CPU_PINS,
+    PORTABLE_EXACT_PINS,
+    PORTABLE_ONEDNN_PINS,
+)
+
+VARIANTS = {"exact": PORTABLE_EXACT_PINS, "onednn": PORTABLE_ONEDNN_PINS}
 
 FAMILIES = {
     "resnest": ["scripts/train_imagenet.py", "--no-progress", "--max-steps", "15",
@@ -74,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated")
+    p.add_argument("--variant", choices=sorted(VARIANTS), default="exact",
+                   help="the portable mode's pins: exact (oneDNN off) or onednn")  # fmt: skip
     p.add_argument("--json", help="write the rounds and ratios here (benchmarks/make_doc.py)")
     args = p.parse_args(argv)
     check_rounds(args.rounds)
@@ -82,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--families: unknown {unknown}; choose from {', '.join(FAMILIES)}")
     modes = {"pinned": env_for(PORTABLE_CPU_PINS, args.threads),
-             "portable": env_for(PORTABLE_EXACT_PINS, args.threads)}  # fmt: skip
+             "portable": env_for(VARIANTS[args.variant], args.threads)}  # fmt: skip
     print(machine_line())
     ratios: dict[str, float] = {}
     rounds: dict[str, dict[str, list[float]]] = {}
@@ -99,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ratio_{family}={ratios[family]:.3f}", flush=True)
     if args.json:
         write_json(args.json, {"benchmark": "bench_portable", "unit": "samples/s",
-                               "rounds": rounds, "ratios": ratios, "machine": machine()})  # fmt: skip
+                               "variant": args.variant,
+                               "pins": VARIANTS[args.variant], "rounds": rounds,
+                               "ratios": ratios, "machine": machine()})  # fmt: skip
     print(f"ratio={min(ratios.values()):.3f}")
     return 0
 

@@ -34,7 +34,9 @@ level is refused. A method that fails in a setting is published with ``--negativ
 Every run is made with ``trainers.logs.PORTABLE_CPU_PINS`` in its environment (ATen's and
 oneDNN's ISA at AVX2, MKL's conditional numerical reproducibility at AVX2) and a fixed thread
 count (``--threads``, default 2), which its header's fingerprint records; that is what
-``scripts/reproduce.py`` re-applies. A seed whose run fails leaves no log behind (a log it
+``scripts/reproduce.py`` re-applies. ``--portable`` runs it in the portable exact mode
+(``PORTABLE_EXACT_PINS``), ``--portable-onednn`` in that mode's variant with oneDNN on
+(``PORTABLE_ONEDNN_PINS``; docs/run_logs.md). A seed whose run fails leaves no log behind (a log it
 was replacing is put back).
 
 Docs tables: a block ``<!-- claims: name1 name2 -->`` ... ``<!-- /claims -->`` in any file
@@ -219,8 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--portable",
         action="store_true",
         help="the portable exact mode (trainers.logs.PORTABLE_EXACT_PINS: oneDNN off, MKL's "
-        "COMPATIBLE branch, correctly rounded sqrt; docs/run_logs.md): a trace meant to re-create on other x86-64 "
-        "processor models, once scripts/cross_processor.py has verified it",
+        "COMPATIBLE branch, correctly rounded sqrt; docs/run_logs.md): a trace meant to "
+        "re-create on other x86-64 processor models, once scripts/cross_processor.py has "
+        "verified it",
     )
     r.add_argument(
         "--portable-onednn",

@@ -50,9 +50,14 @@ def _sqrt_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     dtype = _result_dtype(x)
     if src.dtype != dtype:
         src = src.to(dtype)
-    # bfloat16 (numpy has none): in float32, then rounded to nearest even by copy_
+    target = out.detach()
+    if dtype in _NUMPY and target.dtype == dtype and not (target.is_conj() or target.is_neg()):
+        np.sqrt(src.numpy(), out=target.numpy())  # in place, strides and aliasing included
+        return out
+    # bfloat16 (numpy has none): in float32, then rounded to nearest even by copy_; or an
+    # out= of another dtype: cast by copy_, as ATen casts
     root = np.sqrt((src if dtype in _NUMPY else src.to(torch.float32)).numpy())
-    out.detach().copy_(torch.from_numpy(np.asarray(root)))
+    target.copy_(torch.from_numpy(np.asarray(root)))
     return out
 
 

@@ -95,7 +95,7 @@ PORTABLE_CPU_PINS = {
 }
 
 #: The portable exact mode (``scripts/publish.py --portable``): every kernel is ATen's own at
-#: AVX2 (oneDNN off: ``MODELZOO_PORTABLE`` set sets ``torch.backends.mkldnn.enabled = False``
+#: AVX2 (oneDNN off: the mode sets ``torch.backends.mkldnn.enabled = False``
 #: when :mod:`trainers` is imported) or MKL's on its ``COMPATIBLE`` code branch, the one MKL
 #: offers for Intel and Intel-compatible processors alike (same bits at a fixed thread count).
 #: Its ``AVX2`` branch is Intel-only (on other vendors MKL falls back to its AUTO dispatch):
@@ -135,10 +135,10 @@ def portable_mode() -> bool:
 
 def apply_portable_mode() -> bool:
     """In the portable exact mode: turn oneDNN off (convolutions, GELU and the other ops it
-    would take run on ATen's kernels; not in the ``-onednn`` variant) and, from version 2 on, replace ATen's CPU square root
-    with a correctly rounded one. Called when :mod:`trainers` is imported; returns whether
-    the mode is on. An unknown version is refused (exit 2: it would run another mode's
-    kernels under that mode's name)."""
+    would take run on ATen's kernels; not in the ``-onednn`` variant) and, from version 2
+    on, replace ATen's CPU square root with a correctly rounded one. Called when
+    :mod:`trainers` is imported; returns whether the mode is on. An unknown version is
+    refused (exit 2: it would run another mode's kernels under that mode's name)."""
     version = os.environ.get("MODELZOO_PORTABLE")
     if not version:
         return False

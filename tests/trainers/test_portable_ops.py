@@ -41,13 +41,16 @@ CHECK = textwrap.dedent(
     assert same(t.sqrt(), ieee), "Tensor.sqrt"
     y = t.clone(); y.sqrt_(); assert same(y, ieee), "sqrt_"
     out = torch.empty(0); torch.sqrt(t, out=out); assert same(out, ieee), "out="
+    wide = torch.empty(9, dtype=torch.float64); torch.sqrt(t[:9], out=wide)
+    assert same(wide, ieee[:9].astype(np.float64)), "out= of a wider dtype: the float32 root"
     assert same(torch._foreach_sqrt([t, t[:7]])[1], ieee[:7]), "_foreach_sqrt"
     x64 = x32.astype(np.float64) * 1.000000001
     assert same(torch.sqrt(torch.from_numpy(x64)), np.sqrt(x64)), "float64"
     # strides kept, as ATen keeps them
     m = torch.from_numpy(x32[:600].reshape(20, 30)).t()
     r = m.sqrt()
-    assert r.stride() == m.stride() and same(r.contiguous(), np.ascontiguousarray(np.sqrt(m.numpy())))
+    assert r.stride() == m.stride()
+    assert same(r.contiguous(), np.ascontiguousarray(np.sqrt(m.numpy())))
     # float16 and bfloat16: the float32 root rounded to nearest even, as ATen computes them
     h = t[:4096].to(torch.float16)
     assert same(h.sqrt(), np.sqrt(h.numpy())), "float16"
