@@ -121,10 +121,6 @@ def _recipe(logs: Sequence[Path], args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminate_as_exit)
-    if args.portable and args.portable_onednn:
-        raise SystemExit("--portable and --portable-onednn: give one")
-    if args.native and (args.portable or args.portable_onednn):
-        raise SystemExit("--native and --portable contradict: --native runs unpinned kernels")
     portable = "onednn" if args.portable_onednn else args.portable
     out_dir = Path(args.out_dir) if args.out_dir else REPO_ROOT / "logs" / args.recipe
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -216,8 +212,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "survivors recover in their processes (inproc: trainers.elastic inproc)")  # fmt: skip
     r.add_argument("--drill-bandwidth", default="1gbit",
                    help="--partition-drill: every lab node's link cap")  # fmt: skip
-    r.add_argument("--native", action="store_true", help="no ISA pins (a check, not a publication)")
-    r.add_argument(
+    # one environment: --native (no pins), --portable or --portable-onednn (argparse: exit 2)
+    pins = r.add_mutually_exclusive_group()
+    pins.add_argument("--native", action="store_true",
+                      help="no ISA pins (a check, not a publication)")  # fmt: skip
+    pins.add_argument(
         "--portable",
         action="store_true",
         help="the portable exact mode (trainers.logs.PORTABLE_EXACT_PINS: oneDNN off, MKL's "
@@ -225,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "re-create on other x86-64 processor models, once scripts/cross_processor.py has "
         "verified it",
     )
-    r.add_argument(
+    pins.add_argument(
         "--portable-onednn",
         action="store_true",
         help="the portable exact mode with oneDNN kept on at AVX2 "

@@ -77,6 +77,18 @@ def test_publish_runs_each_mode_under_its_pins():
     assert publish.run_env(2, native=True, base=base).get("MKL_CBWR") is None
 
 
+@pytest.mark.parametrize("flags", [["--portable", "--portable-onednn"], ["--native", "--portable"]])
+def test_publish_refuses_two_environments_in_one_line_exit_2(flags):
+    done = subprocess.run(
+        [sys.executable, "scripts/publish.py", "run", "x", "--metric", "m", "--minimum", "0",
+         "--description", "d", *flags, "--", "scripts/train_linear.py"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "not allowed with argument" in done.stderr and "Traceback" not in done.stderr
+    assert not (ROOT / "logs" / "x").exists()
+
+
 def _linear_log(tmp_path, *, portable: bool):
     """A real run of a short linear recipe made here (publish.py's environment)."""
     publish = load_script("publish", "portable_mode")
