@@ -16,6 +16,7 @@ regenerated from that file::
     python scripts/cross_processor.py --table              # only regenerate the docs table
     python scripts/cross_processor.py --optrace --steps 1  # operator traces, logs/optrace/
     python -m trainers.optrace compare logs/optrace/A.json.gz logs/optrace/B.json.gz
+    python scripts/cross_processor.py --optrace --steps 1 --at COMMIT LOG  # that commit's code
     python scripts/cross_processor.py --add-trace logs/digits_resnest14/seed0.jsonl
 
 A log made on this processor model is skipped (say so): there is nothing to learn from it
@@ -82,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --optrace: override these ISA pins (an empty value unsets one), "
                    "e.g. MODELZOO_PORTABLE= to trace the portable mode with oneDNN on; the "
                    "trace's file name carries them")  # fmt: skip
+    p.add_argument("--at", default=None, metavar="COMMIT",
+                   help="with --optrace: run the code of this commit (git archive into a "
+                   "temporary directory), e.g. the commit in the header of another machine's "
+                   "trace, so that the two traces compare; the file name ends in "
+                   ".at-<commit>")  # fmt: skip
     p.add_argument("--add-trace", action="store_true",
                    help="instead rerun each whole log here and publish it as this processor "
                    "model's trace of the run (scripts/reproduce.py compares with it here)")  # fmt: skip
@@ -94,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"{log}: no such run log")
             add_trace(log, args.python, root=REPO_ROOT, results=RESULTS, doc=DOC)
         return 0
-    if (args.portable or args.pins is not None) and not args.optrace:
-        p.error("--portable and --pins go with --optrace (a log's own pins decide a rerun's mode)")
+    if (args.portable or args.pins is not None or args.at) and not args.optrace:
+        p.error("--portable, --pins and --at go with --optrace (a log's own pins decide a "
+                "rerun's mode)")  # fmt: skip
     pins = parse_pins(args.pins, p.error) if args.pins is not None else None
     if args.steps < 1:
         p.error(f"--steps {args.steps}: must be >= 1")
@@ -108,9 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{log}: {world_size} processes; "
                       "an operator trace records one: skipped")  # fmt: skip
                 continue
-            record_trace(
-                log, args.steps, args.python, portable=args.portable, pins=pins, root=REPO_ROOT
-            )
+            record_trace(log, args.steps, args.python, portable=args.portable, pins=pins,
+                         root=REPO_ROOT, at=args.at)  # fmt: skip
         return 0
     pairs = load_results(RESULTS)
     if not args.table:

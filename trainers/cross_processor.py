@@ -21,9 +21,12 @@ checkout's). Timing fields are not compared.
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import math
+import shutil
 import subprocess
+import tarfile
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -206,12 +209,25 @@ def record_trace(
     portable: bool = False,
     pins: dict[str, str] | None = None,
     root: Path = REPO_ROOT,
+    at: str | None = None,
 ) -> Path:
     """Record the operator trace (:mod:`trainers.optrace`) of the first ``steps`` steps of
     ``log``'s command, under its recorded threads and pins (with ``portable``: the portable
     exact mode's pins instead; ``pins`` then overrides single variables, an empty value unsets
     one: a candidate mode two machines can compare), into :func:`trace_path`; the command runs
-    in the repository at ``root``."""
+    in the repository at ``root``, or with ``at`` in that commit of it (exported into a
+    temporary directory: traces compare only between runs of the same code; the file name
+    then ends in ``.at-<commit>``)."""
+    if at is not None:
+        with tempfile.TemporaryDirectory(prefix="optrace-code-") as code:
+            commit = export_commit(at, Path(code), root)
+            out = record_trace(log, steps, python, portable=portable, pins=pins, root=Path(code))
+            final = trace_path(log, _cpu_of(out), portable=portable, pins=pins, root=root)
+            final = final.with_name(final.name.replace(".json.gz", f".at-{commit[:12]}.json.gz"))
+            final.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(out, final)
+            print(f"{log}: recorded from commit {commit[:12]} -> {_shown(final, root)}")
+            return final
     original = reproduce.read_log(str(log))
     header = original[0]
     here = reproduce.native_fingerprint(python, root)
@@ -243,6 +259,30 @@ def record_trace(
             tail = "\n".join(result.stderr.strip().splitlines()[-5:])
             raise RuntimeError(f"{log}: the traced run failed (exit {result.returncode}):\n{tail}")
     return out
+
+
+def export_commit(commit: str, into: Path, root: Path = REPO_ROOT) -> str:
+    """Write the files of ``commit`` of the repository at ``root`` into the directory ``into``
+    (``git archive``); its full hash. An unknown commit is a :class:`UsageError`."""
+    found = subprocess.run(["git", "-C", str(root), "rev-parse", "--verify", f"{commit}^{{commit}}"],
+                           capture_output=True, text=True, check=False)  # fmt: skip
+    if found.returncode != 0:
+        raise UsageError(f"--at {commit}: no such commit in {root} (git rev-parse: "
+                         f"{found.stderr.strip().splitlines()[-1] if found.stderr else '?'})")  # fmt: skip
+    full = found.stdout.strip()
+    archive = subprocess.run(["git", "-C", str(root), "archive", "--format=tar", full],
+                             capture_output=True, check=True)  # fmt: skip
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(into, filter="data")
+    return full
+
+
+def _cpu_of(trace: Path) -> dict[str, Any]:
+    """The processor a trace file of :func:`record_trace` was recorded on."""
+    from trainers.optrace import load_trace  # noqa: PLC0415
+
+    meta, _ = load_trace(trace)
+    return (meta.get("fingerprint") or {}).get("cpu") or {}
 
 
 def _shown(path: Path, root: Path = REPO_ROOT) -> str:

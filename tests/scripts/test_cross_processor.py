@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import trainers.cross_processor
+from trainers.errors import UsageError
 from trainers.logs import PORTABLE_EXACT_PINS
 
 from ._scripts import ROOT, load_script
@@ -117,3 +118,44 @@ def test_a_processor_trace_is_also_a_pair(tmp_path):
     )
     assert pair["publisher"] == cross_processor.processor(ELSEWHERE)
     assert str(log) in doc.read_text()  # the docs table, regenerated
+
+
+def test_a_commit_is_exported_as_its_files_and_an_unknown_one_refused(tmp_path):
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.strip()  # fmt: skip
+    assert trainers.cross_processor.export_commit("HEAD", tmp_path, ROOT) == head
+    listed = subprocess.run(["git", "ls-tree", "-r", "--name-only", "HEAD", "scripts"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    assert listed and all((tmp_path / name).is_file() for name in listed)
+    committed = subprocess.run(["git", "show", "HEAD:scripts/cross_processor.py"], cwd=ROOT,
+                               capture_output=True, check=True).stdout  # fmt: skip
+    assert (tmp_path / "scripts" / "cross_processor.py").read_bytes() == committed
+    with pytest.raises(UsageError, match="--at no-such-commit: no such commit"):
+        trainers.cross_processor.export_commit("no-such-commit", tmp_path / "x", ROOT)
+    done = subprocess.run([sys.executable, "scripts/cross_processor.py", "--at", "HEAD"],
+                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2 and "go with --optrace" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_trace_at_a_commit_runs_that_commits_code(tmp_path, monkeypatch):
+    """``--at HEAD`` records what a run of HEAD's files, exported apart, records: the same
+    operators with the same digests; the file is named after the commit."""
+    from trainers.optrace import first_difference, load_trace
+
+    log = ROOT / "logs" / "linear_breast_cancer_lbfgs" / "seed0.jsonl"
+    code = tmp_path / "code"
+    code.mkdir()
+    head = trainers.cross_processor.export_commit("HEAD", code, ROOT)
+    reference = tmp_path / "reference.json.gz"
+    monkeypatch.setattr(trainers.cross_processor, "trace_path", lambda *a, **k: reference)
+    cross_processor.record_trace(log, 1, sys.executable, root=code)
+    monkeypatch.undo()
+    out = cross_processor.record_trace(log, 1, sys.executable, at="HEAD")
+    try:
+        assert out.parent == ROOT / "logs" / "optrace"
+        assert out.name.endswith(f".at-{head[:12]}.json.gz")
+        (_, a), (_, b) = load_trace(reference), load_trace(out)
+        assert len(a) > 100 and first_difference(a, b) is None
+    finally:
+        out.unlink(missing_ok=True)
