@@ -24,7 +24,6 @@ import datetime
 import io
 import json
 import math
-import shutil
 import subprocess
 import tarfile
 import tempfile
@@ -210,6 +209,7 @@ def record_trace(
     pins: dict[str, str] | None = None,
     root: Path = REPO_ROOT,
     at: str | None = None,
+    out: Path | None = None,
 ) -> Path:
     """Record the operator trace (:mod:`trainers.optrace`) of the first ``steps`` steps of
     ``log``'s command, under its recorded threads and pins (with ``portable``: the portable
@@ -217,21 +217,24 @@ def record_trace(
     one: a candidate mode two machines can compare), into :func:`trace_path`; the command runs
     in the repository at ``root``, or with ``at`` in that commit of it (exported into a
     temporary directory: traces compare only between runs of the same code; the file name
-    then ends in ``.at-<commit>``)."""
+    then ends in ``.at-<commit>``). ``out``: write there instead."""
     if at is not None:
         with tempfile.TemporaryDirectory(prefix="optrace-code-") as code:
             commit = export_commit(at, Path(code), root)
-            out = record_trace(log, steps, python, portable=portable, pins=pins, root=Path(code))
-            final = trace_path(log, _cpu_of(out), portable=portable, pins=pins, root=root)
-            final = final.with_name(final.name.replace(".json.gz", f".at-{commit[:12]}.json.gz"))
-            final.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(out, final)
-            print(f"{log}: recorded from commit {commit[:12]} -> {_shown(final, root)}")
-            return final
+            here = reproduce.native_fingerprint(python, Path(code))
+            final = out or trace_path(log, here.get("cpu") or {}, portable=portable, pins=pins,
+                                      root=root)  # fmt: skip
+            if out is None:
+                final = final.with_name(
+                    final.name.replace(".json.gz", f".at-{commit[:12]}.json.gz")
+                )
+            print(f"{log}: running the code of commit {commit[:12]}", flush=True)
+            return record_trace(log, steps, python, portable=portable, pins=pins, root=Path(code),
+                                out=final)  # fmt: skip
     original = reproduce.read_log(str(log))
     header = original[0]
     here = reproduce.native_fingerprint(python, root)
-    out = trace_path(log, here.get("cpu") or {}, portable=portable, pins=pins, root=root)
+    out = out or trace_path(log, here.get("cpu") or {}, portable=portable, pins=pins, root=root)
     env = reproduce.rerun_env(header, pins=True, root=root)
     if portable:
         env = {k: v for k, v in env.items() if k not in ISA_PIN_VARIABLES}
@@ -275,14 +278,6 @@ def export_commit(commit: str, into: Path, root: Path = REPO_ROOT) -> str:
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(into, filter="data")
     return full
-
-
-def _cpu_of(trace: Path) -> dict[str, Any]:
-    """The processor a trace file of :func:`record_trace` was recorded on."""
-    from trainers.optrace import load_trace  # noqa: PLC0415
-
-    meta, _ = load_trace(trace)
-    return (meta.get("fingerprint") or {}).get("cpu") or {}
 
 
 def _shown(path: Path, root: Path = REPO_ROOT) -> str:
