@@ -233,8 +233,9 @@ def record_trace(
                                 out=final)  # fmt: skip
     original = reproduce.read_log(str(log))
     header = original[0]
-    here = reproduce.native_fingerprint(python, root)
-    out = out or trace_path(log, here.get("cpu") or {}, portable=portable, pins=pins, root=root)
+    if out is None:
+        here = reproduce.native_fingerprint(python, root)
+        out = trace_path(log, here.get("cpu") or {}, portable=portable, pins=pins, root=root)
     env = reproduce.rerun_env(header, pins=True, root=root)
     if portable:
         env = {k: v for k, v in env.items() if k not in ISA_PIN_VARIABLES}
