@@ -13,6 +13,7 @@ regenerated from that file::
 
     python scripts/cross_processor.py                      # one log of each family
     python scripts/cross_processor.py logs/karate_gcn/seed0.jsonl --steps 20
+    python scripts/cross_processor.py --portable-logs --steps 100000  # the portable mode's logs
     python scripts/cross_processor.py --table              # only regenerate the docs table
     python scripts/cross_processor.py --optrace --steps 1  # operator traces, logs/optrace/
     python -m trainers.optrace compare logs/optrace/A.json.gz logs/optrace/B.json.gz
@@ -42,6 +43,7 @@ from trainers.cross_processor import (
     merge,
     pair_entry,
     parse_pins,
+    portable_logs,
     portable_tag,
     processor,
     record_trace,
@@ -57,8 +59,8 @@ from trainers.reproduce import read_log
 # The library's names that callers of this script (its tests) import from it.
 __all__ = [
     "END", "FAMILIES", "START", "add_trace", "difference", "load_results", "main", "measure",
-    "merge", "pair_entry", "parse_pins", "portable_tag", "processor", "record_trace",
-    "same_processor", "save_pair", "table", "trace_path", "write_table",
+    "merge", "pair_entry", "parse_pins", "portable_logs", "portable_tag", "processor",
+    "record_trace", "same_processor", "save_pair", "table", "trace_path", "write_table",
 ]  # fmt: skip
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -72,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="optimizer steps to rerun (default 10)")
     p.add_argument("--python", default=sys.executable, help="interpreter for the reruns")
     p.add_argument("--table", action="store_true", help="only regenerate the docs table")
+    p.add_argument("--portable-logs", action="store_true",
+                   help="add seed 0 of every recipe published in the portable exact mode "
+                   "(logs/claims.json) to the logs; with --steps 100000, the reruns that "
+                   "verify or refute the mode on this processor")  # fmt: skip
     p.add_argument("--optrace", action="store_true",
                    help="instead record each log's operator trace (trainers.optrace) of "
                    "--steps steps into logs/optrace/; compare two machines' traces with "
@@ -92,10 +98,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead rerun each whole log here and publish it as this processor "
                    "model's trace of the run (scripts/reproduce.py compares with it here)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.table and (args.logs or args.portable_logs):
+        p.error("--table only regenerates the docs table: it reruns no log")
+    logs = [Path(x) for x in args.logs]
+    if args.portable_logs:
+        logs += portable_logs(root=REPO_ROOT)
+    once: dict[Path, Path] = {}
+    for log in logs:  # each log once, where it first appears
+        once.setdefault(log.resolve(), log)
+    logs = list(once.values())
     if args.add_trace:
-        if not args.logs:
+        if not logs:
             p.error("--add-trace: name the logs")
-        for log in map(Path, args.logs):
+        for log in logs:
             if not log.is_file():
                 raise UsageError(f"{log}: no such run log")
             add_trace(log, args.python, root=REPO_ROOT, results=RESULTS, doc=DOC)
@@ -107,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1:
         p.error(f"--steps {args.steps}: must be >= 1")
     if args.optrace:
-        for log in [Path(x) for x in (args.logs or FAMILIES.values())]:
+        for log in logs or [Path(x) for x in FAMILIES.values()]:
             if not log.is_file():
                 raise UsageError(f"{log}: no such run log")
             world_size = read_log(str(log))[0].get("world_size", 1)
@@ -120,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     pairs = load_results(RESULTS)
     if not args.table:
-        logs = [Path(x) for x in (args.logs or FAMILIES.values())]
+        logs = logs or [Path(x) for x in FAMILIES.values()]
         for log in logs:
             if not log.is_file():
                 raise UsageError(f"{log}: no such run log")

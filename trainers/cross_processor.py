@@ -34,11 +34,12 @@ from typing import Any
 from trainers import reproduce
 from trainers.checkpoint import atomic_write_text
 from trainers.errors import UsageError
-from trainers.logs import ISA_PIN_VARIABLES, PORTABLE_EXACT_PINS
+from trainers.logs import ISA_PIN_VARIABLES, PORTABLE_EXACT_PINS, PORTABLE_MODE_VERSIONS
 
 #: The checkout holding this package: the default root of every function taking ``root``.
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "logs" / "cross_processor.json"
+CLAIMS = REPO_ROOT / "logs" / "claims.json"
 DOC = REPO_ROOT / "docs" / "run_logs.md"
 START, END = "<!-- cross-processor -->\n", "<!-- /cross-processor -->"
 
@@ -106,6 +107,33 @@ def difference(original: Sequence[dict], rerun: Sequence[dict], steps: int) -> d
         "missing": missing[:3],
         "steps": int(last),
     }
+
+
+def portable_logs(claims: Path = CLAIMS, root: Path = REPO_ROOT) -> list[Path]:
+    """The first log of every recipe in ``claims`` (its ``"logs"``, relative to ``root``)
+    that was published in the portable exact mode, any version: the set a session on a
+    processor of the other vendor reruns whole to verify or refute the mode
+    (``scripts/cross_processor.py --portable-logs``), in the claims file's order."""
+    try:
+        recipes = json.loads(claims.read_text(encoding="utf-8"))["recipes"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"{claims}: cannot read the recipes ({e})") from None
+    found = []
+    for name, recipe in recipes.items():
+        logs = recipe.get("logs") or []
+        if not logs:
+            continue
+        log = root / logs[0]
+        try:
+            header = reproduce.read_log(str(log))[0]
+        except reproduce.LogError as e:
+            raise UsageError(f"{claims}: recipe {name}: {e}") from None
+        pins = (header.get("fingerprint") or {}).get("isa_pins") or {}
+        if pins.get("MODELZOO_PORTABLE") in PORTABLE_MODE_VERSIONS:
+            found.append(log)
+    if not found:
+        raise UsageError(f"{claims}: no recipe is published in the portable exact mode")
+    return found
 
 
 def measure(log: Path, steps: int, python: str, *, root: Path = REPO_ROOT) -> dict[str, Any] | None:

@@ -159,3 +159,79 @@ def test_a_trace_at_a_commit_runs_that_commits_code(tmp_path, monkeypatch):
         assert len(a) > 100 and first_difference(a, b) is None
     finally:
         out.unlink(missing_ok=True)
+
+
+def _claims_with(tmp_path, recipes):
+    """A repository at ``tmp_path`` with ``recipes`` ({name: the pins of its logs' headers})."""
+    entries = {}
+    for name, pins in recipes.items():
+        logs = []
+        for seed in range(2):
+            log = tmp_path / "logs" / name / f"seed{seed}.jsonl"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            header = {
+                "kind": "header",
+                "command": ["scripts/x.py"],
+                "fingerprint": {"isa_pins": pins},
+            }
+            log.write_text(json.dumps(header) + "\n" + json.dumps({"kind": "end"}) + "\n")
+            logs.append(f"logs/{name}/seed{seed}.jsonl")
+        entries[name] = {"logs": logs}
+    claims = tmp_path / "logs" / "claims.json"
+    claims.write_text(json.dumps({"recipes": entries}))
+    return claims
+
+
+def test_the_portable_logs_are_seed_0_of_each_recipe_made_in_the_mode(tmp_path):
+    claims = _claims_with(tmp_path, {
+        "plain": {"ATEN_CPU_CAPABILITY": "avx2", "MODELZOO_PORTABLE": None},
+        "v1": {**PORTABLE_EXACT_PINS, "MODELZOO_PORTABLE": "1"},
+        "v2": dict(PORTABLE_EXACT_PINS),
+        "conv": {**PORTABLE_EXACT_PINS, "MODELZOO_PORTABLE": "2-onednn"},
+        "unknown": {**PORTABLE_EXACT_PINS, "MODELZOO_PORTABLE": "9"},
+    })  # fmt: skip
+    found = cross_processor.portable_logs(claims, root=tmp_path)
+    assert found == [tmp_path / "logs" / r / "seed0.jsonl" for r in ("v1", "v2", "conv")]
+    # none at all, or a listed log that is missing: one line naming the file
+    none = _claims_with(tmp_path / "none", {"plain": {"ATEN_CPU_CAPABILITY": "avx2"}})
+    with pytest.raises(UsageError, match="no recipe is published in the portable exact mode"):
+        cross_processor.portable_logs(none, root=tmp_path / "none")
+    (tmp_path / "logs" / "v2" / "seed0.jsonl").unlink()
+    with pytest.raises(UsageError, match="recipe v2"):
+        cross_processor.portable_logs(claims, root=tmp_path)
+
+
+def test_the_published_portable_recipes_are_found_in_this_repository():
+    found = {p.parent.name for p in cross_processor.portable_logs()}
+    claims = json.loads((ROOT / "logs" / "claims.json").read_text())["recipes"]
+    for name, recipe in claims.items():
+        header = json.loads((ROOT / recipe["logs"][0]).read_text().splitlines()[0])
+        portable = (header.get("fingerprint") or {}).get("isa_pins", {}).get("MODELZOO_PORTABLE")
+        assert (name in found) == bool(portable), name
+
+
+def test_portable_logs_and_table_are_refused_together():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "cross_processor.py"), "--table", "--portable-logs"],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--table only regenerates the docs table" in result.stderr
+
+
+def test_portable_logs_are_rerun_after_the_named_ones_each_once(tmp_path, monkeypatch):
+    claims = _claims_with(tmp_path, {"v2": dict(PORTABLE_EXACT_PINS), "plain": {}})
+    v2, plain = (tmp_path / "logs" / r / "seed0.jsonl" for r in ("v2", "plain"))
+    rerun = []
+    monkeypatch.setattr(cross_processor, "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(cross_processor, "RESULTS", tmp_path / "pairs.json")
+    monkeypatch.setattr(cross_processor, "DOC", tmp_path / "doc.md")
+    monkeypatch.setattr(cross_processor, "portable_logs",
+                        lambda root: trainers.cross_processor.portable_logs(claims, root))  # fmt: skip
+    monkeypatch.setattr(cross_processor, "measure", lambda log, *a, **k: rerun.append(log))
+    monkeypatch.setattr(cross_processor, "write_table", lambda pairs, doc: None)
+    assert cross_processor.main([str(plain), "--portable-logs", "--steps", "3"]) == 0
+    assert rerun == [plain, v2]  # the named log, then the portable ones
+    rerun.clear()
+    assert cross_processor.main([str(v2), "--portable-logs", "--steps", "3"]) == 0
+    assert rerun == [v2]  # named and portable: rerun once
