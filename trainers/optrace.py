@@ -223,6 +223,16 @@ def run_script(script: str, argv: Sequence[str], recorder: OpRecorder) -> int:
     return code if isinstance(code, int) else (0 if code is None else 1)
 
 
+def _script(meta: dict[str, Any]) -> str:
+    """The traced script as the repository names it: ``scripts/pretrain_bert.py`` whether it ran
+    from this checkout, another one or a commit exported to a temporary directory."""
+    path = Path((meta.get("command") or [""])[0])
+    parts = path.parts
+    if "scripts" in parts:
+        return "/".join(parts[len(parts) - 1 - parts[::-1].index("scripts") :])
+    return path.name
+
+
 def _describe(r: OpRecord | None) -> str:
     return "(none)" if r is None else f"{r.op} -> {r.shapes} at {r.where or '?'} [{r.digest}]"
 
@@ -261,8 +271,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     meta_a, a = load_trace(args.a)
     meta_b, b = load_trace(args.b)
-    if (meta_a.get("command") or [""])[0] != (meta_b.get("command") or [""])[0]:
-        print("optrace: warning: the two traces ran different scripts", file=sys.stderr)
+    if _script(meta_a) != _script(meta_b):
+        print(f"optrace: warning: the two traces ran different scripts ({_script(meta_a)}, "
+              f"{_script(meta_b)})", file=sys.stderr)  # fmt: skip
     found = first_difference(a, b)
     if found is None:
         print(f"optrace: identical ({len(a)} operator calls)")

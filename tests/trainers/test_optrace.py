@@ -127,3 +127,19 @@ def test_the_command_line_records_a_script_and_names_the_kernel(tmp_path):
     other = subprocess.run([*run, "compare", str(tmp_path / "a.json.gz"), str(tmp_path / "c.json.gz")],
                            cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert other.returncode == 1 and "aten.gelu.default" in other.stdout, other.stdout
+
+
+def test_the_same_script_from_another_checkout_is_not_a_warning(tmp_path, capsys):
+    from trainers.optrace import main
+
+    rec = _record("none").records
+    paths = {}
+    for name, script in (("here", "scripts/train_gnn.py"),
+                         ("exported", "/tmp/optrace-x1/scripts/train_gnn.py"),
+                         ("other", "scripts/train_linear.py")):  # fmt: skip
+        paths[name] = save_trace(tmp_path / f"{name}.json.gz", rec, command=[script, "--seed", "0"])
+    assert main(["compare", str(paths["here"]), str(paths["exported"])]) == 0
+    assert "different scripts" not in capsys.readouterr().err
+    assert main(["compare", str(paths["here"]), str(paths["other"])]) == 0
+    err = capsys.readouterr().err
+    assert "different scripts (scripts/train_gnn.py, scripts/train_linear.py)" in err
