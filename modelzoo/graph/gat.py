@@ -110,7 +110,7 @@ class GAT(NodeClassifier):
 # Trained here by the recorded command; the files ship in modelzoo/graph/weights/.
 _KARATE = published(
     "gat_karate",
-    "f5070e0fc575ee8eda01c9ca29ed4e0dfab7033191c496583b045f7f1121cdda",
+    "2678746730788b80f92a472ed85a6cbee27594114acf5e943bdb9379b1fe284c",
     num_params=2502,
     num_classes=2,
     metrics={"test_acc": 95.45},
@@ -123,7 +123,7 @@ _KARATE = published(
 )
 _SBM = published(
     "gat_sbm",
-    "872a083843a736aab19749360398b5aed3d8b55b1e08493f52479cbc295831b9",
+    "f2daca65431db0e7bf112722381ac861d0005cef883c63ef26d2e91e82415f10",
     num_params=2776,
     num_classes=8,
     metrics={"test_acc": 95.55},

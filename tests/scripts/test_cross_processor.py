@@ -235,3 +235,14 @@ def test_portable_logs_are_rerun_after_the_named_ones_each_once(tmp_path, monkey
     rerun.clear()
     assert cross_processor.main([str(v2), "--portable-logs", "--steps", "3"]) == 0
     assert rerun == [v2]  # named and portable: rerun once
+
+
+def test_run_logs_md_lists_every_recipe_published_in_the_portable_mode():
+    """docs/run_logs.md's table of the portable recipes names exactly the recipes whose logs
+    were made in the mode (their headers say so), so the page cannot fall behind a republish."""
+    text = (ROOT / "docs" / "run_logs.md").read_text(encoding="utf-8")
+    after = text[text.index("The recipes published in the portable exact mode:") :]
+    marker = after[after.index("<!-- claims:") :].split("-->", 1)[0]
+    listed = marker.removeprefix("<!-- claims:").split()
+    published = [p.parent.name for p in cross_processor.portable_logs()]
+    assert sorted(listed) == sorted(published)
